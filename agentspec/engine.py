@@ -1,0 +1,298 @@
+"""The speculative decoding loop: prefill -> (propose -> verify -> commit)*.
+
+State invariant between steps: the target's KV cache holds every committed token except the
+last one, ``pending``. A step scores ``[pending] + draft`` in one forward, so row i of the
+logits ``[k+1, V]`` is the target's distribution after ``pending, d_1..d_i``. The verifier
+commits an accepted prefix plus one token of its own; the cache keeps ``pending`` and the
+accepted tokens and rolls back the rest, and the verifier's own token becomes the new
+``pending``. An empty draft makes this plain one-token-per-forward decoding, so the same
+loop is also the greedy baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from agentspec.errors import ConfigError, DraftError, PromptTooLongError
+from agentspec.interfaces import Drafter, Target, Verifier
+from agentspec.types import (
+    Draft,
+    DraftContext,
+    RequestStats,
+    SamplingParams,
+    SessionRef,
+    StepStats,
+)
+from agentspec.verifiers.greedy import GreedyVerifier
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the decode loop.
+
+    Attributes:
+        max_draft: Longest draft verified in one forward. On CPU a forward over 4-32 tokens
+            costs 1.3-2.2x a single-token forward, so long drafts pay off when they hit.
+        min_draft: Drafts shorter than this are dropped (decoded one token at a time):
+            k = 2-3 runs as slow matrix-vector products on MKL, see DESIGN.md.
+    """
+
+    max_draft: int = 16
+    min_draft: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 0:
+            raise ConfigError(f"max_draft must be >= 0, got {self.max_draft}")
+        if self.min_draft < 1:
+            raise ConfigError(f"min_draft must be >= 1, got {self.min_draft}")
+
+
+@dataclass
+class Generation:
+    """The result of one request.
+
+    Attributes:
+        tokens: Generated token ids (an EOS token that ended the request is included).
+        text: Decoded text, without special tokens and cut before any stop string.
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_tokens).
+        stats: The request's speculative decoding numbers.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+class _StopChecker:
+    """Finds where the output must end: EOS, a stop string, or max_tokens.
+
+    Checked token by token within each committed block, so the result is exactly what
+    one-token-at-a-time decoding would stop at.
+    """
+
+    def __init__(
+        self, eos: set[int], stop: Sequence[str], decode: Decode | None, max_tokens: int
+    ) -> None:
+        if stop and decode is None:
+            raise ConfigError("stop strings need a decode function (a tokenizer)")
+        self.eos, self.stop, self.decode, self.max_tokens = eos, list(stop), decode, max_tokens
+
+    def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
+        """Return the part of ``block`` to keep and the finish reason if the request ends."""
+        room = self.max_tokens - len(generated)
+        for i, tok in enumerate(block[:room]):
+            if tok in self.eos:
+                return block[: i + 1], "stop"
+        kept = block[:room]
+        if self.stop and self.decode is not None and kept:
+            text = self.decode(generated + kept)
+            if any(s in text for s in self.stop):
+                # Find the first token whose prefix completes a stop string.
+                for i in range(len(kept)):
+                    t = self.decode(generated + kept[: i + 1])
+                    if any(s in t for s in self.stop):
+                        return kept[: i + 1], "stop"
+        if len(generated) + len(kept) >= self.max_tokens:
+            return kept, "length"
+        return kept, None
+
+    def final_text(self, tokens: list[int]) -> str:
+        """Decoded output, cut before the first stop string."""
+        if self.decode is None:
+            return ""
+        text = self.decode(tokens)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+class SpeculativeDecoder:
+    """Runs requests through a target, an optional drafter and a verifier.
+
+    Args:
+        target: The model being accelerated.
+        drafter: Source of draft tokens; ``None`` decodes one token per forward.
+        verifier: Acceptance rule; strict greedy by default (lossless).
+        decode: Token ids -> text (a tokenizer's decode without special tokens). Needed
+            for stop strings and streaming.
+        eos_token_ids: Tokens that end a request.
+        config: Loop settings.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        verifier: Verifier | None = None,
+        decode: Decode | None = None,
+        eos_token_ids: Sequence[int] = (),
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.verifier: Verifier = verifier or GreedyVerifier()
+        self.decode = decode
+        self.eos_token_ids = set(eos_token_ids)
+        self.config = config or EngineConfig()
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        session: SessionRef | None = None,
+    ) -> Generation:
+        """Decode one request to completion. See :meth:`steps` for the arguments."""
+        gen = self.steps(prompt, max_tokens, stop, sampling, session)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                result: Generation = done.value
+                return result
+
+    def stream(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        session: SessionRef | None = None,
+        result: list[Generation] | None = None,
+    ) -> Iterator[str]:
+        """Yield text deltas as tokens are committed; append the final
+        :class:`Generation` to ``result`` when given.
+
+        Text that could still turn into a stop string, or that ends inside a multi-byte
+        character, is held back until it is certain.
+        """
+        if self.decode is None:
+            raise ConfigError("streaming needs a decode function (a tokenizer)")
+        checker = _StopChecker(set(), stop, self.decode, max_tokens)
+        emitted = 0
+        gen = self.steps(prompt, max_tokens, stop, sampling, session)
+        while True:
+            try:
+                tokens = next(gen)
+            except StopIteration as done:
+                final: Generation = done.value
+                if len(final.text) > emitted:
+                    yield final.text[emitted:]
+                if result is not None:
+                    result.append(final)
+                return
+            text = checker.final_text(tokens)
+            safe = len(text)
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            for s in stop:  # hold back a tail that is a prefix of a stop string
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:n]):
+                        safe = min(safe, len(text[:safe]) - n)
+                        break
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+
+    def steps(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        session: SessionRef | None = None,
+    ) -> Generator[list[int], None, Generation]:
+        """The decode loop as a generator: yields all generated tokens after each step and
+        returns the :class:`Generation`.
+
+        Args:
+            prompt: Prompt token ids (at least one).
+            max_tokens: Most tokens to generate.
+            stop: Stop strings; the output ends at the token that completes one.
+            sampling: Greedy by default.
+            session: Passed to drafters (session-scoped caches).
+
+        Raises:
+            ConfigError: empty prompt or ``max_tokens < 1``.
+            PromptTooLongError: prompt plus ``max_tokens`` exceed the context window.
+        """
+        sampling = sampling or SamplingParams()
+        if not prompt:
+            raise ConfigError("prompt must hold at least one token")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        limit = getattr(self.target, "max_positions", None)
+        if limit is not None and len(prompt) + max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
+                f"context window of {limit} positions"
+            )
+        rng = None
+        if not sampling.greedy:
+            rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        stats = RequestStats(prompt_tokens=len(prompt))
+        checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
+        t_start = time.perf_counter()
+
+        # Prefill everything but the last prompt token: it is the first `pending` token,
+        # so the very first step can already verify a draft.
+        self.target.prefill(list(prompt[:-1]))
+        stats.prefill_s = time.perf_counter() - t_start
+        context = list(prompt)
+        generated: list[int] = []
+        finish: str | None = None
+        while finish is None:
+            ctx = DraftContext(context, len(prompt), session, len(stats.steps))
+            room = max_tokens - len(generated) - 1  # the verifier always adds one token
+            t0 = time.perf_counter()
+            draft = self._propose(ctx, min(self.config.max_draft, room))
+            t1 = time.perf_counter()
+            logits = self.target.score([context[-1], *draft.tokens])  # [k+1, V]
+            result = self.verifier.verify(draft, logits, sampling, rng)
+            # Keep pending + accepted tokens in the cache, drop the rejected rest.
+            self.target.rollback(len(draft.tokens) - result.num_accepted)
+            t2 = time.perf_counter()
+            if self.drafter is not None:
+                self.drafter.observe(ctx, result)
+            block, finish = checker.cut(generated, result.tokens)
+            generated.extend(block)
+            context.extend(block)
+            stats.forwards += 1
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.exceptions += result.exceptions
+            stats.regret += result.regret
+            stats.steps.append(
+                StepStats(draft.source, len(draft.tokens), result.num_accepted, len(block),
+                          t1 - t0, t2 - t1)
+            )
+            yield list(generated)
+        if self.drafter is not None:
+            self.drafter.finish(DraftContext(context, len(prompt), session, len(stats.steps)))
+        stats.generated_tokens = len(generated)
+        stats.total_s = time.perf_counter() - t_start
+        return Generation(generated, checker.final_text(generated), finish, stats)
+
+    def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        if self.drafter is None or max_tokens < self.config.min_draft:
+            return Draft(source="none")
+        draft = self.drafter.propose(ctx, max_tokens)
+        vocab = self.target.vocab_size
+        if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab:
+            raise DraftError(
+                f"drafter {draft.source!r} proposed token ids outside [0, {self.target.vocab_size})"
+            )
+        if len(draft.tokens) < self.config.min_draft:
+            return Draft(source="none")
+        if draft.parents is not None and draft.is_tree:
+            raise ConfigError(
+                f"drafter {draft.source!r} returned a tree draft; this engine verifies chains"
+            )
+        return draft.truncated(max_tokens)

@@ -1,0 +1,55 @@
+"""The exception hierarchy: every misuse of agentspec raises an ``AgentSpecError``.
+
+Subclasses that describe bad arguments also derive from ``ValueError`` so callers that
+already catch ``ValueError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class AgentSpecError(Exception):
+    """Base class of every error agentspec raises on purpose."""
+
+
+class ConfigError(AgentSpecError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class ModelLoadError(AgentSpecError):
+    """A model could not be found, converted or loaded; the message says how to fix it."""
+
+
+class PromptTooLongError(AgentSpecError, ValueError):
+    """A prompt (plus the requested new tokens) does not fit the model's context window."""
+
+
+class DraftError(AgentSpecError, ValueError):
+    """A drafter produced a malformed draft (bad parents, out-of-vocabulary token, ...)."""
+
+
+class BenchmarkError(AgentSpecError, ValueError):
+    """A benchmark was asked for an unknown workload or method, or bad limits."""
+
+
+class StoreError(AgentSpecError):
+    """The session store failed (base of the store's own errors)."""
+
+
+class StoreCorruptError(StoreError):
+    """The session store file, or one stored turn, is damaged; the message says what to do."""
+
+
+class StoreBusyError(StoreError):
+    """The session store stayed locked by other writers for longer than the busy timeout."""
+
+
+class UnknownSessionError(AgentSpecError, KeyError):
+    """A session that is not in the store was asked for (show, delete, export)."""
+
+    def __str__(self) -> str:
+        # KeyError's str() wraps the message in quotes; operators should read it plainly.
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionTooLargeError(AgentSpecError, ValueError):
+    """Appending a turn would take a session past a configured token limit."""

@@ -1,0 +1,82 @@
+"""The Protocols that components implement. Dispatch goes through these, never through
+``isinstance`` checks on method names.
+
+Tensor shapes use ``k`` for the number of draft tokens and ``V`` for the vocabulary size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class Target(Protocol):
+    """The model being accelerated, holding a KV cache of the tokens fed so far."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of logits per position."""
+        ...
+
+    @property
+    def num_cached(self) -> int:
+        """Positions currently held in the KV cache."""
+        ...
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Reset the cache, feed ``tokens``; return the last position's logits ``[V]``."""
+        ...
+
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` to the cache in one forward; return logits ``[len, V]``."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` cached positions exactly."""
+        ...
+
+    def verify_cost(self, k: int) -> float:
+        """Measured seconds of one forward over ``k`` new tokens, ``c(k)``."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A source of draft tokens. Drafters never see target logits."""
+
+    name: str
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Propose at most ``max_tokens`` tokens continuing ``ctx.tokens``."""
+        ...
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        """Learn from the committed tokens (``ctx`` is the context before the commit)."""
+        ...
+
+    def finish(self, ctx: DraftContext) -> None:
+        """The request ended; ``ctx.tokens`` is the prompt plus the final output."""
+        ...
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Turns a draft and the target's logits into committed tokens."""
+
+    lossless: bool
+
+    def verify(
+        self,
+        draft: Draft,
+        logits: torch.Tensor,  # [k+1, V]: row i predicts the token after draft prefix i
+        sampling: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> VerifyResult:
+        """Accept a prefix (or tree path) of the draft plus one target-chosen token."""
+        ...

@@ -1,0 +1,217 @@
+"""The transformers target: a causal LM with a KV cache that can score many tokens in one
+forward and roll rejected positions back exactly.
+
+fp32 (the default) is the exact mode: speculative output is token-identical to plain greedy
+decoding. bf16 is an opt-in fast mode whose numerics depend on batch shape, so its
+divergence is measured rather than promised.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec.errors import ConfigError, PromptTooLongError
+from agentspec.models import agentspec_home, load_model_and_tokenizer
+
+# Draft lengths at which c(k) is measured; others are interpolated linearly.
+_COST_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Settings of a :class:`HFTarget`.
+
+    Attributes:
+        model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
+        dtype: ``"float32"`` (exact) or ``"bfloat16"`` (fast, not bit-exact).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    def resolved_device(self) -> str:
+        """The device actually used."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+class HFTarget:
+    """A transformers causal LM behind the :class:`~agentspec.interfaces.Target` protocol.
+
+    The KV cache holds every token fed since the last :meth:`prefill`; :meth:`score`
+    appends, :meth:`rollback` drops positions from the end.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.dtype = dtype
+        self.device = device
+        self._cache: Any = None
+        self._costs: dict[int, float] | None = None
+        cfg = model.config
+        self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
+        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def load(cls, config: TargetConfig | None = None) -> HFTarget:
+        """Load the model named by ``config`` (the embedded model by default)."""
+        config = config or TargetConfig()
+        device = config.resolved_device()
+        model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
+        return cls(model, tok, files.name, config.dtype, device)
+
+    # -- the Target protocol -------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of logits per position."""
+        return self._vocab
+
+    @property
+    def num_cached(self) -> int:
+        """Positions currently in the KV cache."""
+        return 0 if self._cache is None else int(self._cache.get_seq_length())
+
+    def _forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        with torch.inference_mode():
+            kwargs = {self._cache_kw: self._cache}
+            out = self.model(
+                input_ids=ids, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs
+            )
+        return out.logits[0].float()  # [n, V] (or [1, V] when last_only)
+
+    def check_fits(self, n_tokens: int) -> None:
+        """Raise :class:`PromptTooLongError` if ``n_tokens`` positions exceed the model."""
+        if n_tokens > self.max_positions:
+            raise PromptTooLongError(
+                f"{n_tokens} tokens exceed the model's context window of "
+                f"{self.max_positions} positions; shorten the prompt or lower max_tokens"
+            )
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Reset the cache and feed ``tokens``; return the last position's logits ``[V]``."""
+        from transformers import DynamicCache
+
+        self.check_fits(len(tokens))
+        self._cache = DynamicCache(config=self.model.config)
+        if not tokens:
+            return torch.zeros(self._vocab)
+        return self._forward(tokens, last_only=True)[-1]
+
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` in one forward; return their logits ``[len(tokens), V]``."""
+        if self._cache is None:
+            raise ConfigError("score() called before prefill()")
+        if not tokens:
+            raise ConfigError("score() needs at least one token")
+        self.check_fits(self.num_cached + len(tokens))
+        return self._forward(tokens)
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` cached positions (exact: later logits equal a fresh run's)."""
+        if n < 0 or n > self.num_cached:
+            raise ConfigError(f"rollback({n}) with {self.num_cached} cached positions")
+        if n:
+            # transformers >= 5.2 takes a negative count of positions to remove.
+            self._cache.crop(-n)
+
+    def verify_cost(self, k: int) -> float:
+        """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache.
+
+        Measured once per model, dtype, device and machine, then cached as JSON under
+        ``$AGENTSPEC_HOME/costs``.
+        """
+        if k < 1:
+            raise ConfigError(f"verify_cost needs k >= 1, got {k}")
+        if self._costs is None:
+            self._costs = self._load_or_measure_costs()
+        points = sorted(self._costs)
+        if k >= points[-1]:
+            # Beyond the measured range cost grows roughly linearly in k.
+            hi, lo = points[-1], points[-2]
+            slope = (self._costs[hi] - self._costs[lo]) / (hi - lo)
+            return self._costs[hi] + slope * (k - hi)
+        for lo, hi in itertools.pairwise(points):
+            if lo <= k <= hi:
+                w = (k - lo) / (hi - lo)
+                return (1 - w) * self._costs[lo] + w * self._costs[hi]
+        return self._costs[points[0]]
+
+    def cost_curve(self) -> dict[int, float]:
+        """The measured c(k) points (seconds), measuring them if needed."""
+        if self._costs is None:
+            self._costs = self._load_or_measure_costs()
+        return dict(self._costs)
+
+    # -- cost measurement ----------------------------------------------------------------
+
+    def _cost_file(self) -> Path:
+        machine = f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr"
+        if self.device == "cuda":
+            machine = torch.cuda.get_device_name().replace(" ", "_")
+        safe = f"{self.name}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
+        return agentspec_home() / "costs" / f"{safe}.json"
+
+    def _load_or_measure_costs(self) -> dict[int, float]:
+        path = self._cost_file()
+        try:
+            data = json.loads(path.read_text())
+            costs = {int(k): float(v) for k, v in data["costs"].items()}
+            if set(costs) == set(_COST_POINTS):
+                return costs
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # absent or corrupt: measure again
+        costs = self.measure_costs()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"costs": costs, "torch": torch.__version__}, indent=1))
+        tmp.replace(path)
+        return costs
+
+    def measure_costs(self, context: int = 500, repeats: int = 5) -> dict[int, float]:
+        """Time one forward over k tokens on a ``context``-token cache (median of repeats)."""
+        gen = torch.Generator().manual_seed(0)
+        ctx = torch.randint(0, self._vocab, (context,), generator=gen).tolist()
+        saved = self._cache
+        self.prefill(ctx)
+        self.score(ctx[:32])  # warm-up
+        self.rollback(32)
+        costs: dict[int, float] = {}
+        for k in _COST_POINTS:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.score(ctx[:k])
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                self.rollback(k)
+            costs[k] = sorted(times)[len(times) // 2]
+        self._cache = saved
+        return costs

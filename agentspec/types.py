@@ -1,0 +1,276 @@
+"""The dataclasses where drafters, verifiers, targets and the engine meet.
+
+Drafters produce a :class:`Draft`, verifiers turn a draft plus target logits into a
+:class:`VerifyResult`, and the engine records a :class:`StepStats` per decode step and a
+:class:`RequestStats` per request. Nothing else crosses component boundaries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentspec.errors import ConfigError, DraftError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` means greedy (argmax).
+
+    Attributes:
+        temperature: Softmax temperature; 0 selects greedy decoding.
+        top_p: Nucleus mass kept when sampling (1.0 keeps everything).
+        top_k: Number of most likely tokens kept when sampling (0 keeps everything).
+        seed: Seed of the request's random generator (sampling only).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return self.temperature == 0.0
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Validate a tenant, agent or session id (1-128 chars of ``[A-Za-z0-9_.:@-]``)."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ConfigError(
+            f"invalid {kind} id {value!r}: use 1-128 characters from [A-Za-z0-9_.:@-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """Who a request belongs to: caches are scoped by these ids.
+
+    Attributes:
+        session_id: The conversation / agent run.
+        tenant: The customer (API key); tenants never see each other's tokens.
+        agent: The agent (one AgentSpec) within the tenant.
+    """
+
+    session_id: str
+    tenant: str = "default"
+    agent: str = "default"
+
+    def __post_init__(self) -> None:
+        check_id("session", self.session_id)
+        check_id("tenant", self.tenant)
+        check_id("agent", self.agent)
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may look at: the token ids of the request so far.
+
+    Attributes:
+        tokens: Prompt followed by every committed generated token.
+        prompt_len: Number of prompt tokens at the start of ``tokens``.
+        session: Session the request belongs to (``None`` for one-off requests).
+        step: Index of the decode step (0 for the first draft).
+    """
+
+    tokens: Sequence[int]
+    prompt_len: int
+    session: SessionRef | None = None
+    step: int = 0
+
+    @property
+    def generated(self) -> Sequence[int]:
+        """The tokens generated so far in this request."""
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed continuation of the context.
+
+    A chain draft has ``parents is None``: token i follows token i-1. A tree draft gives
+    for each token the index of its parent in ``tokens`` (-1 for children of the root),
+    parents always before children.
+
+    Attributes:
+        tokens: Proposed token ids (may be empty: "no draft, decode one token").
+        parents: Parent index per token for tree drafts, ``None`` for chains.
+        probs: Draft distribution per token, ``[len(tokens), vocab]``, or ``None`` for
+            deterministic drafts (a point mass on each token).
+        score: Drafter's own confidence (e.g. suffix-tree frequency mass).
+        match_len: Length of the context suffix that matched (cache drafters).
+        source: Name of the drafter that produced it.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
+    probs: torch.Tensor | None = None
+    score: float = 0.0
+    match_len: int = 0
+    source: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens):
+                raise DraftError(
+                    f"draft has {len(self.tokens)} tokens but {len(self.parents)} parents"
+                )
+            for i, p in enumerate(self.parents):
+                if not -1 <= p < i:
+                    raise DraftError(f"draft parent {p} of token {i} must be in [-1, {i})")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        """True when the draft has branches (some parent is not the previous token)."""
+        return self.parents is not None and any(
+            p != i - 1 for i, p in enumerate(self.parents)
+        )
+
+    def truncated(self, n: int) -> Draft:
+        """The chain draft cut to its first ``n`` tokens (trees keep nodes whose index < n)."""
+        if n >= len(self.tokens):
+            return self
+        probs = self.probs[:n] if self.probs is not None else None
+        parents = self.parents[:n] if self.parents is not None else None
+        return Draft(self.tokens[:n], parents, probs, self.score, self.match_len, self.source)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What the verifier commits for one draft.
+
+    Attributes:
+        tokens: Tokens to commit: the accepted draft tokens followed by exactly one token
+            chosen by the target (the correction, or the bonus token after a full accept).
+        num_accepted: How many draft tokens were accepted (``len(tokens) - 1``).
+        accepted_path: Indices into ``draft.tokens`` of the accepted tokens (for trees the
+            accepted root-to-node path; for chains ``0..num_accepted-1``).
+        exceptions: Mismatching tokens accepted by an approximate verifier.
+        regret: Logit regret spent by an approximate verifier.
+    """
+
+    tokens: list[int]
+    num_accepted: int
+    accepted_path: list[int] = field(default_factory=list)
+    exceptions: int = 0
+    regret: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One decode step: what was drafted, by whom, and what was committed."""
+
+    source: str
+    draft_len: int
+    accepted: int
+    committed: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class RequestStats:
+    """Numbers every decode loop reports for one request.
+
+    Attributes:
+        prompt_tokens: Tokens in the prompt.
+        generated_tokens: Tokens committed to the output.
+        forwards: Target forward passes (prefill excluded; one per decode step).
+        prefill_s: Seconds spent on the prompt forward.
+        draft_s: Seconds spent in drafters.
+        verify_s: Seconds spent in target scoring plus verification.
+        total_s: Wall-clock seconds of the whole request, prefill included.
+        steps: Per-step records.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forwards: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    exceptions: int = 0
+    regret: float = 0.0
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds not spent in prefill, drafting or verification (bookkeeping, decode)."""
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per wall-clock second (prefill included)."""
+        return self.generated_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def forwards_per_1k(self) -> float:
+        """Target forward passes per 1,000 generated tokens (1,000 for plain decoding)."""
+        return 1000.0 * self.forwards / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Mean tokens committed per target forward (1.0 for plain decoding)."""
+        return self.generated_tokens / self.forwards if self.forwards else 0.0
+
+    def accepted_histogram(self) -> dict[int, int]:
+        """Number of steps per accepted-draft-length (0 = the draft's first token was wrong)."""
+        return dict(sorted(Counter(s.accepted for s in self.steps).items()))
+
+    def drafter_wins(self) -> dict[str, int]:
+        """Number of steps whose draft came from each source."""
+        return dict(sorted(Counter(s.source for s in self.steps).items()))
+
+    def merge(self, other: RequestStats) -> None:
+        """Add another request's numbers into this one (for per-method aggregates)."""
+        for name in ("prompt_tokens", "generated_tokens", "forwards", "exceptions"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("prefill_s", "draft_s", "verify_s", "total_s", "regret"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.steps.extend(other.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no per-step records)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "forwards": self.forwards,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "forwards_per_1k": round(self.forwards_per_1k, 1),
+            "mean_accepted_len": round(self.mean_accepted_len, 3),
+            "accepted_histogram": self.accepted_histogram(),
+            "drafter_wins": self.drafter_wins(),
+            "seconds": {
+                "total": round(self.total_s, 4),
+                "prefill": round(self.prefill_s, 4),
+                "draft": round(self.draft_s, 4),
+                "verify": round(self.verify_s, 4),
+                "overhead": round(self.overhead_s, 4),
+            },
+            "exceptions": self.exceptions,
+            "regret": round(self.regret, 4),
+        }

@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny random-weight Llama (unit tests) and the embedded model
+(integration tests), both loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Converted model files and cost curves go to the repo's git-ignored cache unless set.
+os.environ.setdefault(
+    "AGENTSPEC_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "agentspec")
+)
+
+TINY_VOCAB = 96
+
+
+class CharDecoder:
+    """A stand-in tokenizer for the tiny model: token i is one character."""
+
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;{}[]\"'\n"
+
+    def __call__(self, ids: list[int]) -> str:
+        return "".join(self.alphabet[i % len(self.alphabet)] for i in ids)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> torch.nn.Module:
+    """A 2-layer random-weight Llama with a 96-token vocabulary, fp32, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        # A wide init makes the logits peaked, so argmax ties (where fp32 rounding could
+        # legitimately flip a token) are vanishingly rare.
+        initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    """The tiny model behind the Target protocol."""
+    from agentspec.targets.hf import HFTarget
+
+    return HFTarget(tiny_model, None, "tiny-llama", "float32", "cpu")
+
+
+@pytest.fixture(scope="session")
+def embedded_target():  # type: ignore[no-untyped-def]
+    """The embedded SmolLM2-135M-Instruct, fp32 (converted once into AGENTSPEC_HOME)."""
+    from agentspec.targets.hf import HFTarget
+
+    return HFTarget.load()
+
+
+@pytest.fixture(scope="session")
+def char_decode() -> CharDecoder:
+    """Decode function for the tiny model."""
+    return CharDecoder()

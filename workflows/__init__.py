@@ -1,0 +1,1 @@
+"""Agent workloads, the benchmark harness and its report."""

@@ -1,0 +1,175 @@
+"""The decoding methods a benchmark compares, by name.
+
+``greedy`` is transformers' own ``generate(do_sample=False)``: the plain decoding users run
+today and the reference every other method's output is checked against. ``plain`` is
+agentspec's loop with no drafter (one token per forward: the loop's own overhead).
+``hf_prompt_lookup`` is transformers' prompt lookup decoding, a peer. Engine methods differ
+only in the drafter; verification is the same strict greedy rule for all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from agentspec.drafters import OracleDrafter, PromptLookupDrafter
+from agentspec.engine import EngineConfig, SpeculativeDecoder
+from agentspec.errors import BenchmarkError
+from agentspec.interfaces import Drafter
+from agentspec.targets.hf import HFTarget
+from agentspec.types import RequestStats, SessionRef, StepStats
+from workflows.base import Request
+
+
+@dataclass
+class RunOutput:
+    """One request's output and numbers."""
+
+    tokens: list[int]
+    text: str
+    stats: RequestStats
+
+
+class Method(Protocol):
+    """A way of decoding a request."""
+
+    name: str
+
+    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+        """Decode ``prompt`` (the rendered ``request``) within ``session``."""
+        ...
+
+
+@dataclass
+class MethodContext:
+    """Shared state the methods of one benchmark run are built from.
+
+    Attributes:
+        target: The loaded model.
+        oracle: Greedy references registered by the ``greedy`` method, drafted by ``oracle``.
+        engine: Engine settings for the engine methods.
+    """
+
+    target: HFTarget
+    oracle: OracleDrafter = field(default_factory=OracleDrafter)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text without special tokens."""
+        return str(self.target.tokenizer.decode(ids, skip_special_tokens=True))
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Tokens that end a request."""
+        eos = self.target.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class EngineMethod:
+    """agentspec's speculative loop with one drafter (or none)."""
+
+    def __init__(self, name: str, ctx: MethodContext, drafter: Drafter | None) -> None:
+        self.name = name
+        self.decoder = SpeculativeDecoder(
+            ctx.target, drafter, decode=ctx.decode, eos_token_ids=ctx.eos_ids, config=ctx.engine
+        )
+
+    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+        """Run the request through the engine."""
+        g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session)
+        return RunOutput(g.tokens, g.text, g.stats)
+
+
+class HFGenerateMethod:
+    """transformers ``generate`` (greedy, or with its prompt lookup decoding).
+
+    Forward passes are counted with a forward hook so ``forwards_per_1k`` is measured the
+    same way as for the engine (the prefill forward excluded).
+    """
+
+    def __init__(
+        self, name: str, ctx: MethodContext, prompt_lookup: int | None, record: bool
+    ) -> None:
+        self.name = name
+        self.ctx = ctx
+        self.prompt_lookup = prompt_lookup
+        self.record = record  # the greedy reference feeds the oracle
+
+    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+        """Run ``model.generate`` on the prompt."""
+        model = self.ctx.target.model
+        calls = [0]
+        hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": request.max_tokens,
+            "do_sample": False,
+            "eos_token_id": self.ctx.eos_ids,
+            "pad_token_id": self.ctx.eos_ids[0],
+        }
+        if request.stop:
+            kwargs["stop_strings"] = list(request.stop)
+            kwargs["tokenizer"] = self.ctx.target.tokenizer
+        if self.prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+        ids = torch.tensor([prompt], device=self.ctx.target.device)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        finally:
+            hook.remove()
+        seconds = time.perf_counter() - t0
+        tokens = out[0, len(prompt) :].tolist()
+        # generate pads finished rows with pad == eos; a single row never pads.
+        if self.record:
+            self.ctx.oracle.add(prompt, tokens)
+        forwards = max(calls[0] - 1, 0)
+        stats = RequestStats(
+            prompt_tokens=len(prompt), generated_tokens=len(tokens), forwards=forwards,
+            verify_s=seconds, total_s=seconds,
+        )
+        # One pseudo-step per forward so histograms stay meaningful (unknown split: no steps).
+        stats.steps = [] if self.prompt_lookup else [
+            StepStats("none", 0, 0, 1, 0.0, 0.0) for _ in range(forwards)
+        ]
+        return RunOutput(tokens, _cut_stop(self.ctx.decode(tokens), request.stop), stats)
+
+
+def _cut_stop(text: str, stop: list[str]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+Factory = Callable[[MethodContext], Method]
+
+METHODS: dict[str, Factory] = {
+    "greedy": lambda c: HFGenerateMethod("greedy", c, None, record=True),
+    "hf_prompt_lookup": lambda c: HFGenerateMethod("hf_prompt_lookup", c, 10, record=False),
+    "plain": lambda c: EngineMethod("plain", c, None),
+    "prompt_lookup": lambda c: EngineMethod("prompt_lookup", c, PromptLookupDrafter()),
+    "oracle": lambda c: EngineMethod("oracle", c, c.oracle),
+}
+
+
+def register_method(name: str, factory: Factory) -> None:
+    """Add a method to the registry (drafters from later modules register themselves)."""
+    METHODS[name] = factory
+
+
+def build_method(name: str, ctx: MethodContext) -> Method:
+    """Build the method called ``name``.
+
+    Raises:
+        BenchmarkError: unknown name (the message lists the known ones).
+    """
+    try:
+        factory = METHODS[name]
+    except KeyError:
+        raise BenchmarkError(
+            f"unknown method {name!r}; choose from {', '.join(sorted(METHODS))}"
+        ) from None
+    return factory(ctx)
