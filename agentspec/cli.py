@@ -44,6 +44,8 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
     p.add_argument("--data", default=None,
                    help="folder with delegate52_domains.jsonl, delegate52_prompt_template.txt, "
                         "editeval.jsonl (default: the packaged fixture)")
+    p.add_argument("--quick", action="store_true",
+                   help="at most 2 sessions x 2 turns per workload (a few minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -74,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_args(bench, "smoke", "greedy,prompt_lookup,hf_prompt_lookup,oracle")
 
+    rep = sub.add_parser("report", help="write a Markdown report and PNG plots of results",
+                         description="Reads a results JSON written by `agentspec bench` and "
+                                     "writes report.md plus plots (speed-up per method and "
+                                     "workload, accepted-length histograms, speed-up per "
+                                     "relay turn).")
+    rep.add_argument("results", type=Path, help="results JSON from agentspec bench")
+    rep.add_argument("--out-dir", type=Path, default=None,
+                     help="where to write (default: beside the results file)")
+
+    from agentspec.sessions_cli import add_sessions_parser
+
+    add_sessions_parser(sub)
+
     gen = sub.add_parser("generate", help="answer one prompt with the embedded model",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
@@ -85,12 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from workflows.harness import BenchConfig, format_table, run_bench
+    from workflows.harness import BenchConfig, run_bench
+    from workflows.report import format_table
 
     cfg = BenchConfig(
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
         out=args.out, model=args.model, dtype=args.dtype, max_draft=args.max_draft,
-        data_dir=args.data, progress=not args.no_progress,
+        data_dir=args.data, progress=not args.no_progress, quick=args.quick,
     )
     report = run_bench(cfg)
     print(f"model: {report['model']}  machine: {report['machine']['processor']}, "
@@ -133,6 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             return _run_bench(args)
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "report":
+            from workflows.report import write_report
+
+            for path in write_report(args.results, args.out_dir):
+                print(path)
+            return 0
+        if args.command == "sessions":
+            from agentspec.sessions_cli import run_sessions
+
+            return run_sessions(args)
     except AgentSpecError as exc:
         print(f"agentspec {args.command}: error: {exc}", file=sys.stderr)
         return 2

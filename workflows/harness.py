@@ -28,10 +28,15 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import RequestStats, SessionRef
 from workflows.base import Workload
 from workflows.methods import MethodContext, build_method
+from workflows.repetition import loop_share
 
 # name -> "module:Class"; imported lazily so a missing optional workload fails alone.
 WORKLOADS: dict[str, str] = {
     "smoke": "workflows.smoke:SmokeWorkload",
+    "delegate52": "workflows.delegate52:Delegate52Workload",
+    "editeval": "workflows.instructedit:InstructEditWorkload",
+    "tool_agent": "workflows.tool_agent:ToolAgentWorkload",
+    "chat": "workflows.chat:ChatWorkload",
 }
 
 
@@ -50,6 +55,7 @@ class BenchConfig:
         max_draft: Longest draft per verification.
         data_dir: Data folder for the workloads that read files.
         progress: Show progress bars.
+        quick: At most 2 sessions of 2 turns per workload (a few minutes in all).
     """
 
     workloads: list[str] = field(default_factory=lambda: ["smoke"])
@@ -62,6 +68,12 @@ class BenchConfig:
     max_draft: int = 16
     data_dir: str | None = None
     progress: bool = True
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.limit = min(self.limit or 2, 2)
+            self.turns = min(self.turns, 2)
 
 
 def load_workload(name: str, data_dir: str | None) -> Workload:
@@ -183,6 +195,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                         "tokens_per_s": round(out.stats.tokens_per_s, 3),
                         "mean_accepted_len": round(out.stats.mean_accepted_len, 3),
                         "identical_to_greedy": reference.get(key) == out.tokens,
+                        "loop_share": round(loop_share(out.tokens), 4),
                         "metrics": sess.turn_metrics(req, out.text),
                     }
                     records.append(rec)
@@ -200,6 +213,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
             results.append(_aggregate(wl.name, method.name, records, agg))
             turn_records.extend(records)
     _add_ratios(results)
+    _add_loop_free(results, turn_records)
     report = {
         "machine": machine_info(),
         "model": target.name,
@@ -231,6 +245,34 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
                 r["oracle_fraction"] = round((r["tokens_per_s"] - base) / (oracle - base), 3)
 
 
+def _add_loop_free(results: list[dict[str, Any]], turns: list[dict[str, Any]]) -> None:
+    """Loop share per method, and the speed-up over greedy on turns whose greedy output
+    has no degenerate repetition, so no headline rests on looping output."""
+    clean: set[tuple[str, str, int]] = {
+        (t["workload"], t["session_id"], t["turn"])
+        for t in turns if t["method"] == "greedy" and t["loop_share"] == 0.0
+    }
+    sums: dict[tuple[str, str], list[float]] = {}
+    for t in turns:
+        acc = sums.setdefault((t["workload"], t["method"]), [0.0, 0.0, 0.0, 0.0])
+        acc[0] += t["tokens"] * t["loop_share"]
+        acc[1] += t["tokens"]
+        if (t["workload"], t["session_id"], t["turn"]) in clean:
+            acc[2] += t["tokens"]
+            acc[3] += t["seconds"]
+    for r in results:
+        loop_tokens, tokens, free_tokens, free_s = sums.get(
+            (r["workload"], r["method"]), [0.0, 0.0, 0.0, 0.0]
+        )
+        r["loop_share"] = round(loop_tokens / tokens, 4) if tokens else 0.0
+        r["loop_free_tokens_per_s"] = round(free_tokens / free_s, 3) if free_s else None
+    by_wl = {(r["workload"], r["method"]): r for r in results}
+    for r in results:
+        base = by_wl.get((r["workload"], "greedy"), {}).get("loop_free_tokens_per_s")
+        mine = r["loop_free_tokens_per_s"]
+        r["speedup_loop_free"] = round(mine / base, 3) if base and mine else None
+
+
 def write_results(report: dict[str, Any], steps: Iterable[dict[str, Any]], out: Path) -> None:
     """Write the results JSON plus per-turn and per-step JSONL files beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -251,23 +293,3 @@ def _warm_up(target: HFTarget, ctx: MethodContext) -> None:
             torch.tensor([ids], device=target.device), max_new_tokens=4, do_sample=False,
             pad_token_id=ctx.eos_ids[0],
         )
-
-
-def format_table(results: list[dict[str, Any]]) -> str:
-    """A plain-text table of the aggregate results."""
-    cols = [
-        ("workload", "workload", "{}"), ("method", "method", "{}"),
-        ("requests", "req", "{}"), ("tokens", "tokens", "{}"),
-        ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup_vs_greedy", "speed-up", "{:.2f}x"),
-        ("mean_accepted_len", "acc.len", "{:.2f}"), ("forwards_per_1k", "fwd/1k", "{:.0f}"),
-        ("identical_to_greedy", "identical", "{}"),
-    ]
-    rows = [[h for _, h, _ in cols]]
-    for r in results:
-        rows.append([
-            "–" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in cols
-        ])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

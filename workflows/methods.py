@@ -16,7 +16,12 @@ from typing import Any, Protocol
 
 import torch
 
-from agentspec.drafters import OracleDrafter, PromptLookupDrafter
+from agentspec.drafters import (
+    ArcticSuffixDrafter,
+    OracleDrafter,
+    PromptLookupDrafter,
+    SuffixDrafter,
+)
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import BenchmarkError
 from agentspec.interfaces import Drafter
@@ -152,6 +157,8 @@ METHODS: dict[str, Factory] = {
     "plain": lambda c: EngineMethod("plain", c, None),
     "prompt_lookup": lambda c: EngineMethod("prompt_lookup", c, PromptLookupDrafter()),
     "oracle": lambda c: EngineMethod("oracle", c, c.oracle),
+    "suffix": lambda c: EngineMethod("suffix", c, SuffixDrafter()),
+    "arctic_suffix": lambda c: EngineMethod("arctic_suffix", c, ArcticSuffixDrafter()),
 }
 
 

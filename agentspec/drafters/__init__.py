@@ -1,6 +1,16 @@
 """Draft sources. Each implements :class:`agentspec.interfaces.Drafter`."""
 
+from agentspec.drafters.arctic import ArcticConfig, ArcticSuffixDrafter
 from agentspec.drafters.lookup import PromptLookupConfig, PromptLookupDrafter
 from agentspec.drafters.oracle import OracleDrafter
+from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
 
-__all__ = ["OracleDrafter", "PromptLookupConfig", "PromptLookupDrafter"]
+__all__ = [
+    "ArcticConfig",
+    "ArcticSuffixDrafter",
+    "OracleDrafter",
+    "PromptLookupConfig",
+    "PromptLookupDrafter",
+    "SuffixConfig",
+    "SuffixDrafter",
+]

@@ -1,0 +1,231 @@
+"""The runtime: one loaded model serving chat requests for many agents and sessions.
+
+Both faces (the LangChain chat model and the OpenAI-compatible server) go through
+:class:`Runtime`: it renders messages and tools with the chat template, picks the drafter
+and verifier from the agent's :class:`~agentspec.spec.AgentSpec`, runs the engine under a
+lock (the target holds one KV cache, so requests are served one at a time, in arrival
+order), parses tool calls and persists each finished turn in the session store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentspec.chat import render_prompt
+from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
+from agentspec.engine import EngineConfig, Generation, SpeculativeDecoder
+from agentspec.errors import ConfigError
+from agentspec.interfaces import Drafter, Verifier
+from agentspec.spec import AgentSpec
+from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
+from agentspec.types import RequestStats, SamplingParams, SessionRef
+from agentspec.verifiers import build_verifier
+
+log = logging.getLogger(__name__)
+
+ToolChoice = str | dict[str, Any] | None
+
+
+@dataclass
+class ChatResult:
+    """One chat completion.
+
+    Attributes:
+        text: The raw generated text (tool-call markup included).
+        content: Text outside tool calls.
+        tool_calls: Well-formed calls to bound tools.
+        invalid_tool_calls: Calls the model got wrong (bad JSON, unknown tool, ...).
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        prompt_tokens: Tokens in the rendered prompt.
+        completion_tokens: Tokens generated.
+        stats: Speculative decoding numbers of the request.
+        tokens: Generated token ids.
+    """
+
+    text: str
+    content: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestStats = field(default_factory=RequestStats)
+    tokens: list[int] = field(default_factory=list)
+
+
+def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
+    """Assistant text that forces a tool call (``""`` when nothing is forced).
+
+    ``"any"``/``"required"`` open a call and let the model pick the name; a named tool
+    (``"name"`` or ``{"type": "function", "function": {"name": ...}}``) writes the name too.
+    """
+    names = tool_names(list(tools or []))
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    if tool_choice in ("any", "required"):
+        if not names:
+            raise ConfigError(f"tool_choice={tool_choice!r} needs at least one bound tool")
+        return '<tool_call>{"name": "'
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return '<tool_call>{"name": "' + tool_choice + '", "arguments": '
+    raise ConfigError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
+
+
+class Runtime:
+    """A loaded model plus the drafters, verifiers and store that serve it.
+
+    Args:
+        target: The loaded model.
+        store: Session store for persistence (``None``: caches live in memory only).
+        default_spec: The policy of requests that name no agent spec.
+    """
+
+    def __init__(
+        self, target: HFTarget, store: Any | None = None, default_spec: AgentSpec | None = None
+    ) -> None:
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.store = store
+        self.default_spec = default_spec or AgentSpec()
+        self.lock = threading.RLock()
+        self._drafters: dict[tuple[str, str, int], Drafter | None] = {}
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        dtype: str = "float32",
+        store: str | Path | bool | None = True,
+        default_spec: AgentSpec | None = None,
+    ) -> Runtime:
+        """Load a model and open the session store.
+
+        Args:
+            model: Embedded model (default) or a local Hugging Face folder.
+            dtype: ``float32`` (exact) or ``bfloat16``.
+            store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
+                ``False``/``None`` for no persistence. A corrupt file is moved aside and the
+                store starts empty (logged), so serving never fails because of it.
+        """
+        from agentspec.store import SessionStore
+
+        target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
+        opened = None
+        if store:
+            opened = SessionStore.open_or_recover(None if store is True else Path(str(store)))
+            if opened.recovered:
+                log.warning("session store was corrupt; moved to %s", opened.recovered_to)
+        return cls(target, opened, default_spec)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text without special tokens."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def drafter_for(self, spec: AgentSpec) -> Drafter | None:
+        """The (shared, stateful) drafter serving ``spec``'s drafting policy."""
+        d = spec.drafting
+        key = (d.method, d.scope, d.max_draft)
+        if key not in self._drafters:
+            drafter: Drafter | None
+            if d.method == "none":
+                drafter = None
+            elif d.method == "prompt_lookup":
+                drafter = PromptLookupDrafter()
+            elif d.method == "suffix":
+                drafter = SuffixDrafter(
+                    SuffixConfig(scope=d.scope, max_tokens=d.max_draft), store=self.store
+                )
+            elif d.method == "arctic_suffix":
+                from agentspec.drafters import ArcticSuffixDrafter
+
+                drafter = ArcticSuffixDrafter()
+            else:
+                raise ConfigError(f"drafting method {d.method!r} is not available in this build")
+            self._drafters[key] = drafter
+        return self._drafters[key]
+
+    def engine_for(self, spec: AgentSpec) -> SpeculativeDecoder:
+        """A decoder configured by ``spec`` (drafters are shared across calls)."""
+        verifier: Verifier = build_verifier(spec.verifier)
+        return SpeculativeDecoder(
+            self.target, self.drafter_for(spec), verifier, decode=self.decode,
+            eos_token_ids=self.eos_ids, config=EngineConfig(max_draft=spec.drafting.max_draft),
+        )
+
+    def prompt_ids(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice = None,
+    ) -> tuple[list[int], str]:
+        """Rendered prompt token ids and the forced assistant prefix (if any)."""
+        use_tools = None if tool_choice == "none" else tools
+        ids = render_prompt(self.tokenizer, messages, use_tools)
+        prefix = forced_prefix(tool_choice, tools)
+        if prefix:
+            ids = ids + list(self.tokenizer.encode(prefix, add_special_tokens=False))
+        return ids, prefix
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        tool_choice: ToolChoice = None,
+        session: SessionRef | None = None,
+        spec: AgentSpec | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        result: list[ChatResult] | None = None,
+    ) -> Iterator[str]:
+        """Yield text deltas; append the final :class:`ChatResult` to ``result``.
+
+        The model lock is held while the generator runs (requests are served one at a
+        time); closing the generator early releases it.
+        """
+        spec = spec or self.default_spec
+        sampling = sampling or spec.verifier.sampling()
+        prompt, prefix = self.prompt_ids(messages, tools, tool_choice)
+        if tools and tool_choice != "none":
+            # A call is complete at its closing tag: stop there, the agent runs the tool.
+            stop = [*stop, "</tool_call>"]
+        with self.lock:
+            engine = self.engine_for(spec)
+            if prefix:
+                yield prefix
+            done: list[Generation] = []
+            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done)
+        gen = done[0]
+        text = prefix + gen.text
+        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
+        finish = gen.finish_reason
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        if result is not None:
+            result.append(ChatResult(
+                text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
+                len(prompt), len(gen.tokens), gen.stats, gen.tokens,
+            ))
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """Complete a chat (see :meth:`stream_chat` for the arguments)."""
+        out: list[ChatResult] = []
+        for _ in self.stream_chat(messages, tools, result=out, **kwargs):
+            pass
+        return out[0]
