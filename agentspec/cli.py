@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "drafters on the embedded model, checks the outputs are identical and "
                     "prints the speed-up table.",
     )
-    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,oracle")
+    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,suffix,oracle")
 
     bench = sub.add_parser(
         "bench", help="benchmark decoding methods on agent workloads",
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the same run, mean accepted length, target forwards per 1,000 tokens, and "
                     "whether every output is token-identical to greedy.",
     )
-    _add_bench_args(bench, "smoke", "greedy,prompt_lookup,hf_prompt_lookup,oracle")
+    _add_bench_args(bench, "smoke", "greedy,prompt_lookup,hf_prompt_lookup,suffix,oracle")
 
     rep = sub.add_parser("report", help="write a Markdown report and PNG plots of results",
                          description="Reads a results JSON written by `agentspec bench` and "
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     from agentspec.sessions_cli import add_sessions_parser
 
     add_sessions_parser(sub)
+
+    from adapters.openai_server.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="answer one prompt with the embedded model",
                          description="Chat-completes one user message and prints the answer "
@@ -155,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             for path in write_report(args.results, args.out_dir):
                 print(path)
             return 0
+        if args.command == "serve":
+            from adapters.openai_server.cli import run_serve
+
+            return run_serve(args)
         if args.command == "sessions":
             from agentspec.sessions_cli import run_sessions
 

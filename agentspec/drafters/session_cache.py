@@ -22,6 +22,7 @@ never sees are not loaded (the store is only read per session).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from array import array
@@ -31,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentspec.drafters.suffix_tree import SuffixIndex
-from agentspec.errors import ConfigError
+from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+
+log = logging.getLogger(__name__)
 
 SCOPES = ("session", "agent", "tenant")
 _MAX_REQUESTS = 64  # live request indexes kept (requests that never call finish() age out)
@@ -194,6 +197,7 @@ class SuffixDrafter:
         self.config = config or SuffixConfig()
         self.store = store
         self.last_origin = "none"
+        self.store_errors = 0
         self._requests: OrderedDict[SessionRef | None, _Request] = OrderedDict()
         self._scopes: OrderedDict[tuple[str, ...], _Scope] = OrderedDict()
         self._lock = threading.Lock()
@@ -244,7 +248,13 @@ class SuffixDrafter:
                 # counted twice when it is also written to the store below.
                 self._scope(ctx.session).add_turn(ctx.session.session_id, tokens)
             if self.store is not None:
-                self.store.append_turn(ctx.session, tokens)
+                try:
+                    self.store.append_turn(ctx.session, tokens)
+                except AgentSpecError as exc:
+                    # The answer is already produced: losing the persisted turn (an
+                    # oversized session, a busy or damaged store) must not lose the answer.
+                    self.store_errors += 1
+                    log.warning("turn of session %s not persisted: %s", ctx.session, exc)
 
     # ----------------------------------------------------------------- management
     def forget(self, ref: SessionRef) -> None:

@@ -1,0 +1,240 @@
+"""The FastAPI application: routes, authentication, body limits and error bodies.
+
+Routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. The request body is read and validated here rather than by FastAPI's
+parameter binding, so an oversized body is cut off while it is read (413) and every bad
+input gets an OpenAI-style error body instead of FastAPI's own shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adapters.openai_server import responses
+from adapters.openai_server.config import ServerConfig, is_loopback
+from adapters.openai_server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    from_exception,
+    model_not_found,
+    too_large,
+)
+from adapters.openai_server.metrics import Metrics
+from adapters.openai_server.schemas import ChatCompletionRequest, ModelCard, ModelList, now
+from adapters.openai_server.service import ChatService, Generation, Job, build_job
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+AGENT_HEADER = "x-agent-id"
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), (loc[0] if loc else None)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():  # chunked uploads have no content-length
+        body.extend(chunk)
+        if len(body) > limit:
+            raise too_large(limit)
+    return bytes(body)
+
+
+def create_app(runtime: Any, config: ServerConfig | None = None) -> FastAPI:
+    """Build the server application around a loaded runtime.
+
+    Args:
+        runtime: An :class:`agentspec.runtime.Runtime` (anything with ``stream_chat``,
+            ``default_spec`` and ``target.name`` works, e.g. a test fake).
+        config: Keys, limits and served model names (defaults: local-only mode).
+
+    Returns:
+        The FastAPI app; serve it with uvicorn. Its ``state`` holds ``config``,
+        ``metrics`` and ``service``.
+    """
+    config = config or ServerConfig()
+    model_name = config.model_name or str(getattr(runtime.target, "name", "agentspec"))
+    served = [model_name, *config.aliases]
+    metrics = Metrics(model_name)
+    service = ChatService(runtime.stream_chat, config, metrics)
+    started = now()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        service.shutdown()
+
+    app = FastAPI(title="agentspec", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config, app.state.metrics, app.state.service = config, metrics, service
+
+    def api_error(exc: APIError) -> JSONResponse:
+        metrics.error(exc.status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return api_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        return api_error(bad_request(f"{loc}: {first.get('msg', 'invalid request')}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        metrics.error(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    def tenant_of(request: Request) -> str:
+        if config.local_only and not is_loopback(request.client.host if request.client else None):
+            # Defence in depth: the CLI binds loopback in this mode, but an app mounted
+            # behind some other server must not serve remote clients without keys either.
+            raise APIError(403, "This server is in local-only mode (no API keys configured) "
+                                "and answers loopback clients only.", "permission_error")
+        return config.keys.tenant_for(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "waiting": metrics.waiting,
+                "running": metrics.running}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        tenant_of(request)
+        return ModelList(data=[ModelCard(id=m, created=started) for m in served])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> ModelCard:
+        tenant_of(request)
+        if model_id not in served:
+            raise model_not_found(model_id, served)
+        return ModelCard(id=model_id, created=started)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        tenant = tenant_of(request)
+        raw = await _read_body(request, config.max_request_bytes)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            raise bad_request(message, param) from None
+        if req.model not in served:
+            raise model_not_found(req.model, served)
+        job = build_job(
+            req, data.get("tools") if req.tools else None, tenant=tenant,
+            session_header=request.headers.get(SESSION_HEADER),
+            agent_header=request.headers.get(AGENT_HEADER),
+            base_spec=runtime.default_spec, config=config,
+        )
+        gen = service.submit(job)
+        headers = {"X-Session-Id": job.session.session_id} if job.session else {}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await _stream(gen, job, include_usage, headers)
+        return await _complete(gen, job, headers)
+
+    async def _first(gen: Generation) -> tuple[str, Any]:
+        try:
+            kind, payload = await gen.next()
+        except BaseException:
+            gen.cancel()  # the client went away while queued
+            raise
+        if kind == "error":
+            err = from_exception(payload)
+            if err.status >= 500:
+                log.error("generation failed", exc_info=payload)
+            raise err
+        return kind, payload
+
+    async def _complete(gen: Generation, job: Job, headers: dict[str, str]) -> JSONResponse:
+        kind, payload = await _first(gen)
+        while kind == "delta":
+            kind, payload = await _first(gen)
+        sid = job.session.session_id if job.session else None
+        metrics.finished(payload.stats, responses.finish_reason_of(payload, job.tools_active),
+                         time.perf_counter() - gen.submitted)
+        body = responses.completion(payload, model_name, job.tools_active, sid)
+        return JSONResponse(body.model_dump(), headers=headers)
+
+    async def _stream(
+        gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]
+    ) -> StreamingResponse:
+        # Wait for the first event before answering: a bad prompt (too long, bad
+        # tool_choice) is then still a proper HTTP 400 rather than an error inside a 200.
+        first = await _first(gen)
+        writer = responses.ChunkWriter(model_name, job.tools_active, include_usage)
+        sid = job.session.session_id if job.session else None
+
+        async def events() -> AsyncIterator[str]:
+            kind, payload = first
+            yield writer.start()
+            metrics.first_token(time.perf_counter() - gen.submitted)
+            finished = False
+            try:
+                while True:
+                    if kind == "delta":
+                        chunk = writer.delta(payload)
+                        if chunk:
+                            yield chunk
+                    elif kind == "done":
+                        metrics.finished(payload.stats,
+                                         responses.finish_reason_of(payload, job.tools_active),
+                                         time.perf_counter() - gen.submitted)
+                        finished = True
+                        for chunk in writer.finish(payload, sid):
+                            yield chunk
+                        return
+                    else:  # an error after the response started: report it in-band
+                        finished = True
+                        err = from_exception(payload)
+                        metrics.error(err.status)
+                        yield responses.sse(err.body())
+                        yield responses.DONE
+                        return
+                    kind, payload = await gen.next()
+            finally:
+                gen.cancel()  # no-op after "done"; stops the worker if the client left
+                if not finished:
+                    metrics.aborted()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+    return app

@@ -1,0 +1,119 @@
+"""``agentspec serve``: the OpenAI-compatible server on the command line.
+
+Wired into :mod:`agentspec.cli` with :func:`add_serve_parser` and :func:`run_serve`. The
+bind check runs before the model loads, so a refused host fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
+from agentspec.errors import AgentSpecError
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to ``agentspec``'s subparsers; return its parser."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serves /v1/chat/completions (streaming, tools), /v1/models, /health and "
+                    "/metrics. Sessions come from the X-Session-Id header (or `user`). Without "
+                    "API keys the server is local-only and binds loopback only; with keys "
+                    "(--api-keys or AGENTSPEC_API_KEYS='key=tenant,...') each key's tenant "
+                    "gets its own isolated caches.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model", default=None,
+                   help="the embedded model (default) or a local Hugging Face folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: the model's)")
+    p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                   help='JSON or TOML file {"keys": {"<key>": "<tenant>"}}; adds to '
+                        "AGENTSPEC_API_KEYS")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--store", type=Path, default=None, metavar="PATH",
+                       help="session store file (default: sessions.sqlite3 in AGENTSPEC_HOME)")
+    store.add_argument("--no-store", action="store_true",
+                       help="keep session caches in memory only")
+    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--default-max-tokens", type=_positive, default=256,
+                   help="completion tokens when a request sets no max_tokens (default 256)")
+    p.add_argument("--max-tokens-limit", type=_positive, default=4096,
+                   help="largest max_tokens a request may ask for (default 4096)")
+    p.add_argument("--max-waiting", type=_positive, default=256,
+                   help="requests that may queue for the model; more get HTTP 503 (default 256)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """The :class:`ServerConfig` of parsed ``serve`` arguments (keys loaded, bind checked).
+
+    Raises:
+        ConfigError: bad key file, or a non-loopback host without keys.
+    """
+    from adapters.openai_server.auth import load_keys
+
+    keys = load_keys(args.api_keys)
+    check_bind(args.host, keys)
+    return ServerConfig(
+        keys=keys, model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
+        default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
+        max_tokens_limit=args.max_tokens_limit, max_waiting=args.max_waiting,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; return the exit code (2 on a configuration error)."""
+    try:
+        config = build_config(args)
+    except AgentSpecError as exc:
+        print(f"agentspec serve: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from adapters.openai_server.app import create_app
+    from agentspec.runtime import Runtime
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store: Path | bool = False if args.no_store else (args.store or True)
+    try:
+        runtime = Runtime.load(args.model, dtype=args.dtype, store=store)
+    except AgentSpecError as exc:
+        print(f"agentspec serve: error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(runtime, config)
+    mode = "local-only (no API keys)" if config.local_only else \
+        f"{len(config.keys.tenants)} tenant(s)"
+    print(f"agentspec serve: http://{args.host}:{args.port}/v1  model={runtime.target.name}  "
+          f"{mode}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``serve`` on its own (``python -m adapters.openai_server.cli``)."""
+    parser = argparse.ArgumentParser(prog="agentspec")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Settings of the OpenAI-compatible server, and the loopback rule of local-only mode."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from adapters.openai_server.auth import KeyRing
+from agentspec.errors import ConfigError
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # tool schemas + a few documents fit easily
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1).
+
+    Starlette's test client reports ``testclient`` as its host; that is not loopback.
+    """
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server answers.
+
+    Attributes:
+        keys: API keys -> tenants. Empty: local-only mode (loopback clients only).
+        model_name: The id served in ``/v1/models`` (default: the runtime's model name).
+        aliases: Other ids accepted in the ``model`` field.
+        max_request_bytes: Larger request bodies get a 413.
+        default_max_tokens: Completion tokens when a request names no limit.
+        max_tokens_limit: Largest ``max_tokens`` a request may ask for.
+        max_waiting: Requests that may wait for the model at once; more get a 503.
+    """
+
+    keys: KeyRing = field(default_factory=KeyRing)
+    model_name: str | None = None
+    aliases: tuple[str, ...] = ()
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 4096
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "default_max_tokens", "max_tokens_limit",
+                     "max_waiting"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ConfigError(
+                f"ServerConfig.default_max_tokens ({self.default_max_tokens}) exceeds "
+                f"max_tokens_limit ({self.max_tokens_limit})"
+            )
+
+    @property
+    def local_only(self) -> bool:
+        """True when no API key is configured."""
+        return self.keys.local_only
+
+
+def check_bind(host: str, keys: KeyRing) -> None:
+    """Refuse to listen beyond loopback without API keys.
+
+    Raises:
+        ConfigError: ``host`` is not loopback and no key is configured.
+    """
+    if keys.local_only and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to listen on {host!r} without API keys: anyone who can reach it would "
+            "use the model and read session caches. Configure keys with --api-keys FILE or "
+            "AGENTSPEC_API_KEYS='key=tenant,...', or bind 127.0.0.1 (local-only mode)."
+        )

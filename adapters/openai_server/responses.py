@@ -1,0 +1,186 @@
+"""ChatResult -> OpenAI response bodies: the whole completion, or its SSE chunks.
+
+Tool calls: well-formed calls to bound tools become ``tool_calls`` (arguments as a JSON
+string, ``finish_reason="tool_calls"``). Calls the model got wrong are not an error; they
+stay in ``content`` as the model wrote them, so the agent (or a person) can see what
+happened. Without bound tools nothing is parsed: the text is the content.
+
+Streaming: content is sent as it is generated, except text from a ``<tool_call>`` tag on
+(and a tail that could still become one, or trailing whitespace that the final content may
+strip); at the end the remaining content, each tool call whole in one chunk, the finish
+chunk, the optional usage chunk and ``data: [DONE]`` follow. Concatenated deltas equal the
+non-streaming content.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from adapters.openai_server.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    FunctionCall,
+    ResponseMessage,
+    ToolCallDelta,
+    ToolCallOut,
+    Usage,
+    completion_id,
+    now,
+)
+from agentspec.runtime import ChatResult
+
+TOOL_TAG = "<tool_call>"
+DONE = "data: [DONE]\n\n"
+
+
+def content_of(result: ChatResult, tools_active: bool) -> str | None:
+    """The ``content`` of the assistant message (``None`` when only tool calls remain)."""
+    if not tools_active or not result.tool_calls:
+        return result.text
+    parts = [result.content, *(f"{TOOL_TAG}{c.raw}</tool_call>" for c in result.invalid_tool_calls)]
+    return "\n".join(p for p in parts if p) or None
+
+
+def tool_calls_of(result: ChatResult, tools_active: bool) -> list[ToolCallOut]:
+    """The well-formed tool calls, arguments serialised as JSON strings."""
+    if not tools_active:
+        return []
+    return [
+        ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
+        for c in result.tool_calls
+    ]
+
+
+def finish_reason_of(result: ChatResult, tools_active: bool) -> str:
+    """``tool_calls`` only for parsed calls to bound tools; else the runtime's reason."""
+    if result.finish_reason == "tool_calls" and not tool_calls_of(result, tools_active):
+        return "stop"
+    if tools_active and result.tool_calls and result.finish_reason == "stop":
+        return "tool_calls"
+    return result.finish_reason
+
+
+def usage_of(result: ChatResult) -> Usage:
+    """Prompt and completion token counts."""
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                 total_tokens=result.prompt_tokens + result.completion_tokens)
+
+
+def stats_of(result: ChatResult, session_id: str | None) -> dict[str, Any]:
+    """The ``agentspec`` extension: the request's speculative-decoding numbers."""
+    return {"session_id": session_id, **result.stats.to_dict()}
+
+
+def completion(
+    result: ChatResult, model: str, tools_active: bool, session_id: str | None
+) -> ChatCompletion:
+    """A whole ``chat.completion``."""
+    calls = tool_calls_of(result, tools_active)
+    message = ResponseMessage(content=content_of(result, tools_active), tool_calls=calls or None)
+    return ChatCompletion(
+        id=completion_id(), created=now(), model=model,
+        choices=[Choice(message=message, finish_reason=finish_reason_of(result, tools_active))],
+        usage=usage_of(result), agentspec=stats_of(result, session_id),
+    )
+
+
+def sse(payload: ChatCompletionChunk | dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON payload."""
+    body = (payload.model_dump_json() if isinstance(payload, ChatCompletionChunk)
+            else json.dumps(payload))
+    return f"data: {body}\n\n"
+
+
+class ToolTextFilter:
+    """Decides how much of the generated text is safe to stream as content so far."""
+
+    def __init__(self, tools_active: bool) -> None:
+        self.tools_active = tools_active
+        self.text = ""
+        self.sent = ""
+        self.blocked = False
+
+    def feed(self, delta: str) -> str:
+        """Add a delta; return the new content that can be sent now."""
+        self.text += delta
+        if not self.tools_active:
+            new, self.sent = self.text[len(self.sent):], self.text
+            return new
+        if self.blocked:
+            return ""
+        safe = self.text.find(TOOL_TAG)
+        if safe >= 0:
+            self.blocked = True
+        else:
+            safe = len(self.text)
+            for n in range(min(len(TOOL_TAG) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(TOOL_TAG[:n]):
+                    safe -= n
+                    break
+        # Content around tool calls is stripped at the end, so trailing whitespace waits.
+        candidate = self.text[:safe].rstrip()
+        if len(candidate) <= len(self.sent) or not candidate.startswith(self.sent):
+            return ""
+        new, self.sent = candidate[len(self.sent):], candidate
+        return new
+
+    def rest(self, final: str | None) -> str:
+        """What remains to send so the streamed content equals ``final``."""
+        final = final or ""
+        if not final.startswith(self.sent):
+            return ""  # only whitespace can differ (a reply that starts with a blank)
+        rest, self.sent = final[len(self.sent):], final
+        return rest
+
+
+class ChunkWriter:
+    """Writes the SSE events of one streamed completion.
+
+    Args:
+        model: The model id echoed in every chunk.
+        tools_active: Whether tool calls are parsed (see the module docstring).
+        include_usage: Send a final chunk with ``usage`` (``stream_options``).
+    """
+
+    def __init__(self, model: str, tools_active: bool, include_usage: bool) -> None:
+        self.id, self.created, self.model = completion_id(), now(), model
+        self.tools_active = tools_active
+        self.include_usage = include_usage
+        self.filter = ToolTextFilter(tools_active)
+
+    def _chunk(self, delta: Delta, finish: str | None = None, **extra: Any) -> str:
+        return sse(ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model,
+            choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra,
+        ))
+
+    def start(self) -> str:
+        """The first chunk: the assistant role with empty content."""
+        return self._chunk(Delta(role="assistant", content=""))
+
+    def delta(self, text: str) -> str:
+        """A content chunk for a generated delta ("" when nothing is safe to send yet)."""
+        new = self.filter.feed(text)
+        return self._chunk(Delta(content=new)) if new else ""
+
+    def finish(self, result: ChatResult, session_id: str | None) -> list[str]:
+        """The closing events: remaining content, tool calls, finish, usage, ``[DONE]``."""
+        out = []
+        rest = self.filter.rest(content_of(result, self.tools_active))
+        if rest:
+            out.append(self._chunk(Delta(content=rest)))
+        for i, call in enumerate(tool_calls_of(result, self.tools_active)):
+            out.append(self._chunk(Delta(tool_calls=[
+                ToolCallDelta(index=i, id=call.id, function=call.function)
+            ])))
+        out.append(self._chunk(Delta(), finish_reason_of(result, self.tools_active),
+                               agentspec=stats_of(result, session_id)))
+        if self.include_usage:
+            out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                               choices=[], usage=usage_of(result))))
+        out.append(DONE)
+        return out

@@ -1,0 +1,99 @@
+"""A scripted stand-in for :class:`agentspec.runtime.Runtime` for the server's unit tests.
+
+It has the runtime's ``stream_chat`` signature and behaviour (deltas, a final ChatResult,
+tool-call parsing, errors raised on the first ``next``) without loading a model. Replies:
+
+* ``CALL <name> <json>``: a well-formed tool call;
+* ``BAD``: a malformed tool call;
+* ``LONG``: raises PromptTooLongError;
+* ``WAIT``: blocks until ``release`` is set (queue tests);
+* anything else: ``You said: <text>``, one character per "token".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from agentspec.errors import ConfigError, PromptTooLongError
+from agentspec.runtime import ChatResult
+from agentspec.spec import AgentSpec
+from agentspec.tool_calls import parse_tool_calls, tool_names
+from agentspec.types import RequestStats, SessionRef, StepStats
+
+
+class FakeTarget:
+    """Only the name is read by the server."""
+
+    name = "fake-model"
+
+
+class FakeRuntime:
+    """Records every call; see the module docstring for the replies."""
+
+    def __init__(self) -> None:
+        self.target = FakeTarget()
+        self.default_spec = AgentSpec()
+        self.calls: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        self.lock = threading.RLock()
+
+    def reply(self, messages: Sequence[dict[str, Any]], tool_choice: Any) -> str:
+        """The scripted text for a conversation."""
+        last = str(messages[-1].get("content") or "")
+        if last == "LONG":
+            raise PromptTooLongError("prompt of 9000 tokens exceeds the context window of 8192")
+        if last == "WAIT":
+            self.release.wait(10)
+        if last.startswith("CALL "):
+            _, name, args = last.split(" ", 2)
+            return f'Let me check.\n<tool_call>{{"name": "{name}", "arguments": {args}}}'
+        if last == "BAD":
+            return '<tool_call>{"name": "get_weather", "arguments": {"city": '
+        return f"You said: {last}"
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        tool_choice: Any = None,
+        session: SessionRef | None = None,
+        spec: AgentSpec | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: Any = None,
+        result: list[ChatResult] | None = None,
+    ) -> Iterator[str]:
+        """Yield the reply in 3-character deltas; append the ChatResult to ``result``."""
+        spec = spec or self.default_spec
+        self.calls.append({"messages": list(messages), "tools": tools, "session": session,
+                           "tool_choice": tool_choice, "spec": spec, "max_tokens": max_tokens,
+                           "stop": list(stop)})
+        if spec.verifier.temperature > 0:
+            raise ConfigError(f"verifier mode='lossless' with temperature="
+                              f"{spec.verifier.temperature} is not supported yet")
+        if tool_choice not in (None, "auto", "none", "required") and not tools:
+            raise ConfigError(f"tool_choice {tool_choice!r} names no bound tool")
+        with self.lock:
+            text = self.reply(messages, tool_choice)
+            finish = "stop"
+            cuts = [text.find(s) for s in stop if s in text]
+            if cuts:
+                text = text[: min(cuts)]
+            if len(text) > max_tokens:
+                text, finish = text[:max_tokens], "length"
+            for i in range(0, len(text), 3):
+                yield text[i : i + 3]
+        parsed = parse_tool_calls(text, tool_names(list(tools)) if tools else None)
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        stats = RequestStats(prompt_tokens=10, generated_tokens=len(text), forwards=2,
+                             steps=[StepStats("suffix", 4, 3, 4, 0.0, 0.0),
+                                    StepStats("suffix", 2, 0, 1, 0.0, 0.0),
+                                    StepStats("none", 0, 0, 1, 0.0, 0.0)])
+        if result is not None:
+            result.append(ChatResult(text, parsed.content, parsed.tool_calls,
+                                     parsed.invalid_tool_calls, finish, 10, len(text), stats,
+                                     list(range(len(text)))))
