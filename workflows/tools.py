@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agentspec.tool_calls import parse_tool_calls
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
@@ -156,33 +158,20 @@ def calculate(expression: str) -> float | int:
 
 
 def parse_tool_call(output: str) -> tuple[str, dict[str, Any]] | None:
-    """The first tool call in a model output, if any.
+    """The first valid call to one of :data:`TOOLS` in a model output, if any.
 
-    Accepts ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the format the
-    system prompt asks for) or a bare JSON object with ``name`` and ``arguments``.
+    Uses the runtime's parser (:func:`agentspec.tool_calls.parse_tool_calls`) on the
+    ``<tool_call>`` blocks the system prompt asks for and, as a fallback for a small model,
+    on an output that is one bare JSON object with ``name`` and ``arguments``.
 
     Returns:
         ``(name, arguments)`` for a known tool with object arguments, else ``None``.
     """
-    candidates = [m.group(1) for m in _TOOL_CALL_RE.finditer(output)]
     stripped = output.strip()
-    if stripped.startswith("{"):
-        candidates.append(stripped)
-    for text in candidates:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict):
-            continue
-        name, args = obj.get("name"), obj.get("arguments", {})
-        if isinstance(args, str):  # OpenAI serialises arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                continue
-        if isinstance(name, str) and name in TOOL_NAMES and isinstance(args, dict):
-            return name, args
+    for text in (output, f"<tool_call>{stripped}</tool_call>" if stripped[:1] == "{" else ""):
+        calls = parse_tool_calls(text, TOOL_NAMES).tool_calls if text else []
+        if calls:
+            return calls[0].name, calls[0].arguments
     return None
 
 
