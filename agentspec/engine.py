@@ -237,6 +237,12 @@ class SpeculativeDecoder:
         rng = None
         if not sampling.greedy:
             rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
+        # draws, which must come from the request's generator (same seed, same output).
+        for part in (self.verifier, self.drafter):
+            begin_request = getattr(part, "begin_request", None)
+            if begin_request is not None:
+                begin_request(session, rng)
         stats = RequestStats(prompt_tokens=len(prompt))
         checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
         t_start = time.perf_counter()

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentspec.types import SamplingParams, check_id
 
 DraftMethod = Literal["none", "prompt_lookup", "suffix", "arctic_suffix", "model", "hybrid"]
 Scope = Literal["session", "agent", "tenant"]
+Sampler = Literal["rejection", "block", "multi_draft"]
+BudgetScope = Literal["request", "session"]
 
 
 class DraftingPolicy(BaseModel):
@@ -26,6 +28,8 @@ class DraftingPolicy(BaseModel):
         max_draft: Longest draft verified in one forward.
         scope: Who shares a suffix cache: one session, all sessions of the agent, or the
             whole tenant (never across tenants).
+        draft_model: The model drafter's model (``model`` / ``hybrid``): an embedded name
+            or a local Hugging Face folder whose tokenizer matches the target's.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +37,7 @@ class DraftingPolicy(BaseModel):
     method: DraftMethod = "suffix"
     max_draft: int = Field(default=32, ge=1, le=64)
     scope: Scope = "session"
+    draft_model: str | None = None
 
 
 class VerifierPolicy(BaseModel):
@@ -44,10 +49,16 @@ class VerifierPolicy(BaseModel):
         budget: Request-level cumulative regret budget B (``budgeted`` only).
         gate: Local regret gate g: accept a mismatch when regret / remaining draft <= g.
         max_exceptions: Most accepted mismatches per verified block (M).
+        budget_scope: ``request`` (B caps each request) or ``session`` (B caps the
+            session's persisted total in the regret ledger).
         temperature: Sampling temperature (0 = greedy).
         top_p: Nucleus mass.
         top_k: Top-k cut (0 = off).
         seed: Seed of the request's generator.
+        sampler: Lossless rule for sampled requests: token-level ``rejection``
+            sampling, greedy ``block`` verification (GBV, the default) or
+            ``multi_draft`` (SpecTr-GBV-style over ``num_drafts`` i.i.d. drafts).
+        num_drafts: K, the drafts verified together by ``multi_draft``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -56,10 +67,28 @@ class VerifierPolicy(BaseModel):
     budget: float = Field(default=0.0, ge=0.0)
     gate: float = Field(default=0.5, ge=0.0)
     max_exceptions: int = Field(default=1, ge=0)
+    budget_scope: BudgetScope = "request"
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
+    sampler: Sampler = "block"
+    num_drafts: int = Field(default=1, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VerifierPolicy:
+        # Errors name the offending field and value (pydantic prefixes "Value error, ").
+        if self.mode == "budgeted" and self.temperature > 0:
+            raise ValueError(
+                f"temperature={self.temperature}: mode='budgeted' (ASD) is approximate "
+                "greedy and needs temperature=0; use mode='lossless' to sample"
+            )
+        if self.num_drafts > 1 and self.sampler != "multi_draft":
+            raise ValueError(
+                f"num_drafts={self.num_drafts} needs sampler='multi_draft', "
+                f"got sampler={self.sampler!r}"
+            )
+        return self
 
     def sampling(self) -> SamplingParams:
         """The sampling parameters of this policy."""

@@ -300,7 +300,9 @@ class Delegate52Workload:
 
     Args:
         data_dir: Data folder (``None``: ``$AGENTSPEC_DATA`` or the packaged fixture).
-        max_tokens: Upper bound of a turn's budget (``None``: no bound).
+        max_tokens: Upper bound of a turn's budget (``None``: no bound). The default, 640,
+            keeps a relay bounded when a small model's looping output (fed back as the next
+            document) would otherwise grow every turn's budget.
         token_factor: Budget = ``ceil(document tokens × token_factor) + 32``, at least 64,
             so the model can re-emit the whole document with some growth.
         count_tokens: Token counter (e.g. ``lambda s: len(tok.encode(s))``); defaults to
@@ -312,7 +314,7 @@ class Delegate52Workload:
     def __init__(
         self,
         data_dir: str | os.PathLike[str] | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | None = 640,
         token_factor: float = 1.3,
         count_tokens: CountTokens | None = None,
     ) -> None:

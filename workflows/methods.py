@@ -27,6 +27,7 @@ from agentspec.errors import BenchmarkError
 from agentspec.interfaces import Drafter
 from agentspec.targets.hf import HFTarget
 from agentspec.types import RequestStats, SessionRef, StepStats
+from agentspec.verifiers import BudgetConfig, BudgetedVerifier
 from workflows.base import Request
 
 
@@ -159,6 +160,17 @@ METHODS: dict[str, Factory] = {
     "oracle": lambda c: EngineMethod("oracle", c, c.oracle),
     "suffix": lambda c: EngineMethod("suffix", c, SuffixDrafter()),
     "arctic_suffix": lambda c: EngineMethod("arctic_suffix", c, ArcticSuffixDrafter()),
+    # ASD: the suffix drafter with budgeted approximate greedy verification at regret
+    # budgets B = 1, 4, 16 logits per request (g = 0.5, M = 1; not persisted). Approximate:
+    # identical_to_greedy is expected to be false where exceptions were taken. (The
+    # verifier is swapped in after construction: EngineMethod takes no verifier.)
+    **{
+        f"asd_b{b}": lambda c, b=b: (  # type: ignore[misc]
+            m := EngineMethod(f"asd_b{b}", c, SuffixDrafter()),
+            m.decoder.__dict__.update(verifier=BudgetedVerifier(BudgetConfig(float(b)))),
+        )[0]
+        for b in (1, 4, 16)
+    },
 }
 
 

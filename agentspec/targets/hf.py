@@ -133,6 +133,31 @@ class HFTarget:
         self.check_fits(self.num_cached + len(tokens))
         return self._forward(tokens)
 
+    def score_batch(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Score K equal-length continuations of the cached prefix in one batched forward.
+
+        For multi-draft verification (``MultiDraftDecoder``): the cache is expanded to K
+        rows, row j appends ``rows[j]``. Call :meth:`select_row` before the next
+        :meth:`score` to keep one row; :meth:`rollback` works on all rows meanwhile.
+
+        Returns:
+            Logits ``[K, n, V]``.
+        """
+        if self._cache is None:
+            raise ConfigError("score_batch() called before prefill()")
+        if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
+            raise ConfigError("score_batch() needs non-empty rows of equal length")
+        self.check_fits(self.num_cached + len(rows[0]))
+        self._cache.batch_repeat_interleave(len(rows))
+        ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
+        return out.logits.float()  # [K, n, V]
+
+    def select_row(self, row: int) -> None:
+        """Keep only cache row ``row`` of the last :meth:`score_batch`."""
+        self._cache.batch_select_indices(torch.tensor([row], device=self.device))
+
     def rollback(self, n: int) -> None:
         """Drop the last ``n`` cached positions (exact: later logits equal a fresh run's)."""
         if n < 0 or n > self.num_cached:

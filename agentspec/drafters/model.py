@@ -1,0 +1,246 @@
+"""The model drafter: a small causal LM that shares the target's tokenizer drafts k tokens
+autoregressively.
+
+It keeps its own KV cache across decode steps: each :meth:`ModelDrafter.propose` finds the
+longest common prefix of the cached tokens and the new context, crops the cache back to
+it (the rejected draft tail) and feeds only the new tokens (the accepted ones plus the
+verifier's token), so a step costs about ``k`` one-token forwards of the drafter.
+
+Drafts are greedy (deterministic: ``probs=None``, point masses for the verifier) or sampled
+from :func:`agentspec.sampling.process_logits` of the drafter's logits, with ``probs``
+``[k, V]`` filled so lossless sampling verifiers can form ``p / q``.
+:meth:`ModelDrafter.propose_many` draws K i.i.d. sampled drafts in one batched pass (the
+cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.sampling import process_logits, sample
+from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
+
+__all__ = ["ModelDrafter", "ModelDrafterConfig"]
+
+
+@dataclass(frozen=True)
+class ModelDrafterConfig:
+    """Settings of :class:`ModelDrafter`.
+
+    Attributes:
+        max_tokens: Most tokens drafted per step (the engine may ask for fewer).
+        temperature: 0 drafts greedily (point masses); > 0 samples and fills ``probs``.
+            Match the request's sampling for the best acceptance.
+        top_p: Nucleus mass of sampled drafts.
+        top_k: Top-k cut of sampled drafts (0 = off).
+        seed: Seed of the drafter's own generator, used when a request brings none
+            (greedy requests, or calls outside the engine).
+    """
+
+    max_tokens: int = 8
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.sampling()  # validates temperature, top_p, top_k
+
+    def sampling(self) -> SamplingParams:
+        """The drafter's own sampling parameters."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+class ModelDrafter:
+    """Drafts with any Hugging Face causal LM whose vocabulary matches the target's.
+
+    Args:
+        model: The draft model (eval mode).
+        config: Draft length and sampling.
+        vocab_size: The target's vocabulary size ``V`` (the drafter's logits are cut to
+            it; ``None``: the drafter's own).
+        name: Source name recorded in each :class:`Draft`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: ModelDrafterConfig | None = None,
+        vocab_size: int | None = None,
+        name: str = "model",
+    ) -> None:
+        self.model = model
+        self.config = config or ModelDrafterConfig()
+        self.name = name
+        own = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab = min(own, vocab_size) if vocab_size is not None else own
+        self.device = next(model.parameters()).device
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
+        self.forwards = 0  # drafter forward passes, for cost accounting
+        self._rng = torch.Generator().manual_seed(self.config.seed)
+        self._request_rng: torch.Generator | None = None
+        self._cache: Any = None
+        self._cached: list[int] = []  # tokens whose keys/values the cache holds
+        # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None,
+        config: ModelDrafterConfig | None = None,
+        vocab_size: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> ModelDrafter:
+        """Load the draft model ``model`` (embedded name or local folder)."""
+        from agentspec.models import load_model_and_tokenizer
+
+        lm, _tok, files = load_model_and_tokenizer(model, dtype, device)
+        return cls(lm, config, vocab_size, name=f"model:{files.name}")
+
+    # -- the Drafter protocol -------------------------------------------------------------
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Draft up to ``max_tokens`` tokens continuing ``ctx.tokens``."""
+        k = self._draft_len(ctx, max_tokens)
+        if k == 0:
+            return Draft(source=self.name)
+        sampling = self.config.sampling()
+        logits = self._sync(ctx.tokens)  # [V]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            if sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                dist = process_logits(logits, sampling)  # [V]
+                tok = int(sample(dist, self._request_rng or self._rng))
+                rows.append(dist)
+            tokens.append(tok)
+            if i < k - 1:  # the last token's successor is never needed
+                logits = self._feed([[tok]])[0]
+                self._cached.append(tok)
+        probs = torch.stack(rows) if rows else None  # [k, V]
+        return Draft(tokens=tokens, probs=probs, source=self.name)
+
+    def propose_many(
+        self, ctx: DraftContext, max_tokens: int, num_drafts: int, rng: torch.Generator
+    ) -> list[Draft]:
+        """Draw ``num_drafts`` i.i.d. sampled drafts of equal length in one batched pass.
+
+        Raises:
+            ConfigError: the drafter is greedy (K identical drafts help nobody) or
+                ``num_drafts < 1``.
+        """
+        sampling = self.config.sampling()
+        if sampling.greedy:
+            raise ConfigError("propose_many needs a sampling drafter (temperature > 0)")
+        if num_drafts < 1:
+            raise ConfigError(f"num_drafts must be >= 1, got {num_drafts}")
+        k = self._draft_len(ctx, max_tokens)
+        if k == 0:
+            return []
+        logits = self._sync(ctx.tokens)[None].expand(num_drafts, -1)  # [K, V]
+        base = len(self._cached)
+        self._cache.batch_repeat_interleave(num_drafts)  # one cache row per draft
+        tokens, rows = [], []
+        try:
+            for i in range(k):
+                dist = process_logits(logits, sampling)  # [K, V]
+                tok = sample(dist, rng)  # [K]
+                tokens.append(tok)
+                rows.append(dist)
+                if i < k - 1:
+                    logits = self._feed(tok[:, None].tolist())  # [K, V]
+        finally:
+            # Back to one row holding the context only: the drafts' own positions go.
+            self._cache.batch_select_indices(torch.tensor([0], device=self.device))
+            extra = int(self._cache.get_seq_length()) - base
+            if extra > 0:
+                self._cache.crop(-extra)
+        ids = torch.stack(tokens, dim=1)  # [K, k]
+        probs = torch.stack(rows, dim=1)  # [K, k, V]
+        return [
+            Draft(tokens=ids[j].tolist(), probs=probs[j], source=self.name)
+            for j in range(num_drafts)
+        ]
+
+    def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
+        """Draw this request's sampled drafts from its generator ``rng`` (the engine calls
+        this). Lossless sampling needs drafts that are fresh draws from ``q`` for every
+        request, and reproducibility needs them to depend on the request's seed only:
+        both hold when drafts and verification share the request's seeded generator.
+        Without one (greedy requests) the drafter's own generator restarts from its seed.
+        """
+        self._request_rng = rng
+        if rng is None:
+            self._rng.manual_seed(self.config.seed)
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        """Nothing to do: the next :meth:`propose` syncs the cache with the new context."""
+
+    def finish(self, ctx: DraftContext) -> None:
+        """Nothing to do: a new request's context is synced (cropped) on first use."""
+
+    def reset(self) -> None:
+        """Drop the KV cache."""
+        self._cache, self._cached = None, []
+
+    # -- the KV cache ---------------------------------------------------------------------
+
+    def _draft_len(self, ctx: DraftContext, max_tokens: int) -> int:
+        room = self.max_positions - len(ctx.tokens)
+        return max(0, min(max_tokens, self.config.max_tokens, room))
+
+    def _sync(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Make the cache hold ``tokens``; return the logits after the last one ``[V]``."""
+        from transformers import DynamicCache
+
+        if not tokens:
+            raise ConfigError("the model drafter needs a non-empty context")
+        common = _common_prefix(self._cached, tokens)
+        common = min(common, len(tokens) - 1)  # re-feed >= 1 token: we need its logits
+        if self._cache is None or common == 0:
+            self._cache, self._cached, common = DynamicCache(config=self.model.config), [], 0
+        elif common < len(self._cached):
+            self._cache.crop(-(len(self._cached) - common))  # drop the rejected tail
+            del self._cached[common:]
+        logits = self._feed([list(tokens[common:])])[0]  # [V]
+        self._cached.extend(tokens[common:])
+        return logits
+
+    def _feed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Append ``rows`` ``[B, n]`` to the cache; return each row's last logits ``[B, V]``."""
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, n]
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids, use_cache=True, logits_to_keep=1,
+                **{self._cache_kw: self._cache},
+            )
+        self.forwards += 1
+        return out.logits[:, -1, : self.vocab].float()  # [B, V]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case: the context only grew
+        return n
+    lo, hi = 0, n  # binary search on prefix equality (C-speed slice compares)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,186 @@
+"""The regret ledger of approximate (ASD) verification, persisted per (tenant, agent,
+session).
+
+Budgeted verification may commit a token the target would not have chosen; each such
+*exception* costs logit regret ``r = z(y*) - z(x)``. The ledger is the audit trail and,
+for session-scoped budgets, the account the budget is charged against: how much regret a
+session has spent, in how many exceptions, over how many requests. It lives in one SQLite
+file (``$AGENTSPEC_HOME/ledger.sqlite`` by default, WAL mode), so it survives restarts and
+is shared by the processes of one machine; every update is a single ``BEGIN IMMEDIATE``
+upsert that *adds* to the stored totals, so concurrent writers never lose an update.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, TypeVar
+
+from agentspec.errors import ConfigError, StoreError
+from agentspec.models import agentspec_home
+from agentspec.types import SessionRef
+
+__all__ = ["LedgerEntry", "RegretLedger"]
+
+T = TypeVar("T")
+
+_DDL = (
+    "CREATE TABLE IF NOT EXISTS ledger (tenant TEXT NOT NULL, agent TEXT NOT NULL,"
+    " session TEXT NOT NULL, regret REAL NOT NULL, exceptions INTEGER NOT NULL,"
+    " requests INTEGER NOT NULL, updated REAL NOT NULL, PRIMARY KEY (tenant, agent, session))"
+)
+# Add the deltas to the stored totals (or insert them): one atomic statement.
+_UPSERT = (
+    "INSERT INTO ledger (tenant, agent, session, regret, exceptions, requests, updated)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, agent, session) DO UPDATE SET"
+    " regret = regret + excluded.regret, exceptions = exceptions + excluded.exceptions,"
+    " requests = requests + excluded.requests, updated = excluded.updated"
+)
+_SELECT = (
+    "SELECT regret, exceptions, requests FROM ledger WHERE tenant = ? AND agent = ?"
+    " AND session = ?"
+)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One account's totals.
+
+    Attributes:
+        regret: Logit regret spent by accepted exceptions.
+        exceptions: Mismatching tokens accepted.
+        requests: Requests served under budgeted verification.
+    """
+
+    regret: float = 0.0
+    exceptions: int = 0
+    requests: int = 0
+
+
+class RegretLedger:
+    """Regret accounts keyed by :class:`~agentspec.types.SessionRef`.
+
+    Args:
+        path: SQLite file (created with its folder), ``":memory:"`` for a private
+            in-memory ledger, or ``None`` for ``$AGENTSPEC_HOME/ledger.sqlite``.
+        busy_timeout_s: How long a write waits for other processes' write locks.
+
+    Raises:
+        ConfigError: ``path`` is a folder.
+        StoreError: the file cannot be opened or is not a ledger.
+    """
+
+    _shared: ClassVar[dict[str, RegretLedger]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, path: str | Path | None = None, busy_timeout_s: float = 10.0) -> None:
+        self.path = str(path) if path is not None else str(agentspec_home() / "ledger.sqlite")
+        if self.path != ":memory:":
+            p = Path(self.path)
+            if p.is_dir():
+                raise ConfigError(f"ledger path {p} is a folder, not a file")
+            p.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE below).
+            self._conn = sqlite3.connect(
+                self.path, busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            if self.path != ":memory:":
+                self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute(_DDL)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"regret ledger {self.path}: {exc}") from exc
+
+    @classmethod
+    def default(cls, path: str | Path | None = None) -> RegretLedger:
+        """The process-wide ledger for ``path`` (the default file when ``None``).
+
+        Verifiers are built per request; they share this one connection.
+        """
+        key = str(path) if path is not None else str(agentspec_home() / "ledger.sqlite")
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(key)
+            return cls._shared[key]
+
+    def get(self, session: SessionRef) -> LedgerEntry:
+        """The totals of ``session``'s account (zeros if it has none)."""
+        row = self._run(lambda c: c.execute(_SELECT, _key(session)).fetchone(), write=False)
+        return LedgerEntry(float(row[0]), int(row[1]), int(row[2])) if row else LedgerEntry()
+
+    def charge(
+        self, session: SessionRef, regret: float, exceptions: int, requests: int = 0
+    ) -> LedgerEntry:
+        """Atomically add to ``session``'s totals; return the new totals.
+
+        Raises:
+            ConfigError: a negative amount (the ledger only grows).
+        """
+        if regret < 0 or exceptions < 0 or requests < 0:
+            raise ConfigError(
+                f"ledger charges must be >= 0, got regret={regret}, "
+                f"exceptions={exceptions}, requests={requests}"
+            )
+
+        def upsert(c: sqlite3.Connection) -> tuple[float, int, int]:
+            c.execute(_UPSERT, (*_key(session), regret, exceptions, requests, time.time()))
+            row: tuple[float, int, int] = c.execute(_SELECT, _key(session)).fetchone()
+            return row
+
+        row = self._run(upsert, write=True)
+        return LedgerEntry(float(row[0]), int(row[1]), int(row[2]))
+
+    def count_request(self, session: SessionRef) -> LedgerEntry:
+        """Count one more request for ``session``; return its totals."""
+        return self.charge(session, 0.0, 0, requests=1)
+
+    def reset(self, session: SessionRef) -> None:
+        """Delete ``session``'s account (its budget starts over)."""
+        self._run(
+            lambda c: c.execute(
+                "DELETE FROM ledger WHERE tenant = ? AND agent = ? AND session = ?",
+                _key(session),
+            ),
+            write=True,
+        )
+
+    def entries(self) -> dict[tuple[str, str, str], LedgerEntry]:
+        """Every account: ``(tenant, agent, session) -> totals``."""
+        rows = self._run(
+            lambda c: c.execute(
+                "SELECT tenant, agent, session, regret, exceptions, requests FROM ledger"
+                " ORDER BY tenant, agent, session"
+            ).fetchall(),
+            write=False,
+        )
+        return {(r[0], r[1], r[2]): LedgerEntry(float(r[3]), int(r[4]), int(r[5])) for r in rows}
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._conn.close()
+
+    def _run(self, fn: Callable[[sqlite3.Connection], T], write: bool) -> T:
+        with self._lock:
+            try:
+                if not write:
+                    return fn(self._conn)
+                self._conn.execute("BEGIN IMMEDIATE")  # take the write lock up front
+                try:
+                    out = fn(self._conn)
+                    self._conn.execute("COMMIT")
+                    return out
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(f"regret ledger {self.path}: {exc}") from exc
+
+
+def _key(session: SessionRef) -> tuple[str, str, str]:
+    return (session.tenant, session.agent, session.session_id)

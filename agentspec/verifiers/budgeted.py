@@ -1,0 +1,197 @@
+"""Approximate Speculative Decoding (ASD): budgeted approximate greedy verification.
+
+Strict greedy verification stops at the first draft token ``x_i`` that differs from the
+target's argmax ``y*_i``. ASD may accept such a mismatch (an *exception*) when it costs
+little. With ``z_i`` the target logits of row ``i`` (``[k+1, V]``, row ``i`` conditioned on
+the realised draft prefix ``x_1..x_i``):
+
+    regret         r_i = z_i(y*_i) - z_i(x_i)            (0 when x_i = y*_i)
+    local gate     r_i / q_i <= g,  q_i = k - i           (remaining proposal length)
+    block cap      exceptions in this block <= M
+    budget         s + Σ_{accepted j <= i} r_j <= B       (s: regret spent so far)
+
+Feasibility of position i is ``x_i = y*_i`` or "the exception passes all three"; the
+accepted length is the longest all-true prefix of that mask. Cumulative sums give the
+exception count and regret up to every position at once, so acceptance is vectorised and
+O(k) (:func:`asd_accept`). After an exception the later draft tokens that equal the
+target's argmax are committed too (*realised-prefix suffix reuse*): the verify forward
+already scored the draft, so row ``i + 1`` is the target's distribution after the realised
+prefix including the exception, and its match test is exact greedy under that prefix. The
+verifier's own token is the target's argmax after the accepted prefix.
+
+``B = 0`` disables exceptions, which makes the rule exactly :class:`GreedyVerifier`'s:
+token-identical to strict greedy decoding (tested). Regret is charged to a per-request
+running total and, with a :class:`~agentspec.ledger.RegretLedger`, to the session's
+persisted account; with ``scope="session"`` the budget caps the session's lifetime spend.
+Sampled requests (temperature > 0) are verified losslessly by the fallback sampler: ASD
+is a relaxation of greedy decoding only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.interfaces import Verifier
+from agentspec.ledger import RegretLedger
+from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
+from agentspec.verifiers.block import BlockVerifier
+from agentspec.verifiers.rejection import check_rows
+
+__all__ = ["AsdOutcome", "BudgetConfig", "BudgetedVerifier", "asd_accept"]
+
+BudgetScope = Literal["request", "session"]
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """ASD settings.
+
+    Attributes:
+        budget: Regret budget B (logit units); 0 = strict greedy.
+        gate: Local gate g: an exception needs ``regret / remaining draft length <= g``.
+        max_exceptions: Most exceptions accepted in one verified block (M).
+        scope: ``request``: B caps each request; ``session``: B caps the session's total,
+            read from and charged to the persisted ledger.
+    """
+
+    budget: float = 0.0
+    gate: float = 0.5
+    max_exceptions: int = 1
+    scope: BudgetScope = "request"
+
+    def __post_init__(self) -> None:
+        if not self.budget >= 0:  # also rejects NaN
+            raise ConfigError(f"budget must be >= 0, got {self.budget!r}")
+        if not self.gate >= 0:
+            raise ConfigError(f"gate must be >= 0, got {self.gate!r}")
+        if self.max_exceptions < 0:
+            raise ConfigError(f"max_exceptions must be >= 0, got {self.max_exceptions!r}")
+        if self.scope not in ("request", "session"):
+            raise ConfigError(f"scope must be 'request' or 'session', got {self.scope!r}")
+
+
+@dataclass(frozen=True)
+class AsdOutcome:
+    """One block's ASD decision: accepted length, exceptions taken, regret spent."""
+
+    accepted: int
+    exceptions: int
+    regret: float
+
+
+def asd_accept(
+    draft: torch.Tensor,  # [k] drafted ids
+    logits: torch.Tensor,  # [k+1, V] raw target logits
+    budget_left: float,
+    gate: float,
+    max_exceptions: int,
+) -> AsdOutcome:
+    """Vectorised ASD acceptance (see the module docstring for the rule).
+
+    ``budget_left <= 0`` or ``max_exceptions == 0`` turns every exception off: strict
+    greedy, even where the target's logits tie (a zero-regret mismatch).
+    """
+    k = draft.shape[0]
+    if k == 0:
+        return AsdOutcome(0, 0, 0.0)
+    z = logits[:k].float()  # [k, V]
+    best = z.argmax(dim=-1)  # [k]  y*_i
+    mismatch = draft != best  # [k]
+    if budget_left <= 0 or max_exceptions == 0:
+        n = int((~mismatch).long().cumprod(0).sum())
+        return AsdOutcome(n, 0, 0.0)
+    # r_i = z_i(y*) - z_i(x_i) >= 0; only mismatches spend it.
+    regret = (z.gather(1, best[:, None]) - z.gather(1, draft[:, None])).squeeze(1)  # [k]
+    regret = torch.where(mismatch, regret.clamp_min(0.0), torch.zeros_like(regret))
+    remaining = torch.arange(k, 0, -1, dtype=z.dtype)  # [k]  q_i = k - i
+    count = mismatch.long().cumsum(0)  # [k] exceptions up to and including i
+    spent = regret.cumsum(0)  # [k] regret up to and including i
+    # Within the accepted prefix every mismatch is an accepted exception, so the prefix
+    # sums are exactly the block's exception count and spend at each position.
+    exception_ok = (regret <= gate * remaining) & (count <= max_exceptions)
+    exception_ok &= spent <= budget_left
+    feasible = ~mismatch | exception_ok  # [k]
+    n = int(feasible.long().cumprod(0).sum())
+    if n == 0:
+        return AsdOutcome(0, 0, 0.0)
+    return AsdOutcome(n, int(count[n - 1]), float(spent[n - 1]))
+
+
+class BudgetedVerifier:
+    """Approximate greedy verification within a regret budget (opt-in, not lossless).
+
+    Args:
+        config: B, g, M and the budget scope.
+        ledger: Where exceptions are recorded per session (``None``: not persisted).
+        sampler: Lossless verifier for sampled requests (GBV by default).
+
+    Call :meth:`begin_request` at the start of every request (the engine does): it resets
+    the request's running total and names the ledger account.
+    """
+
+    lossless = False
+    name = "budgeted"
+
+    def __init__(
+        self,
+        config: BudgetConfig | None = None,
+        ledger: RegretLedger | None = None,
+        sampler: Verifier | None = None,
+    ) -> None:
+        self.config = config or BudgetConfig()
+        self.ledger = ledger
+        self.sampler: Verifier = sampler or BlockVerifier()
+        self.session: SessionRef | None = None
+        self.spent = 0.0  # regret charged against B so far (request or session)
+        self.request_regret = 0.0
+        self.request_exceptions = 0
+
+    @property
+    def remaining(self) -> float:
+        """Budget left before exceptions stop."""
+        return max(self.config.budget - self.spent, 0.0)
+
+    def begin_request(
+        self, session: SessionRef | None, rng: torch.Generator | None = None
+    ) -> None:
+        """Begin a request of ``session``: reset the running totals, open the account."""
+        self.session = session
+        self.request_regret = 0.0
+        self.request_exceptions = 0
+        self.spent = 0.0
+        if self.ledger is not None and session is not None:
+            entry = self.ledger.count_request(session)
+            if self.config.scope == "session":
+                self.spent = entry.regret
+
+    def verify(
+        self,
+        draft: Draft,
+        logits: torch.Tensor,  # [k+1, V]
+        sampling: SamplingParams,
+        rng: torch.Generator | None = None,
+    ) -> VerifyResult:
+        """Accept the longest feasible prefix, then the target's argmax."""
+        if not sampling.greedy:
+            return self.sampler.verify(draft, logits, sampling, rng)
+        check_rows(draft, logits)
+        x = torch.tensor(draft.tokens, dtype=torch.long)  # [k]
+        cfg = self.config
+        budget_left = cfg.budget - self.spent if cfg.budget > 0 else 0.0
+        out = asd_accept(x, logits, budget_left, cfg.gate, cfg.max_exceptions)
+        n = out.accepted
+        token = int(logits[n].argmax())
+        if out.exceptions:
+            self.spent += out.regret
+            self.request_regret += out.regret
+            self.request_exceptions += out.exceptions
+            if self.ledger is not None and self.session is not None:
+                self.ledger.charge(self.session, out.regret, out.exceptions)
+        return VerifyResult(
+            tokens=[*draft.tokens[:n], token], num_accepted=n, accepted_path=list(range(n)),
+            exceptions=out.exceptions, regret=out.regret,
+        )
