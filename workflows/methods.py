@@ -24,7 +24,7 @@ from agentspec.drafters import (
 )
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import BenchmarkError
-from agentspec.interfaces import Drafter
+from agentspec.interfaces import Drafter, Verifier
 from agentspec.targets.hf import HFTarget
 from agentspec.types import RequestStats, SessionRef, StepStats
 from agentspec.verifiers import BudgetConfig, BudgetedVerifier
@@ -78,10 +78,17 @@ class MethodContext:
 class EngineMethod:
     """agentspec's speculative loop with one drafter (or none)."""
 
-    def __init__(self, name: str, ctx: MethodContext, drafter: Drafter | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        ctx: MethodContext,
+        drafter: Drafter | None,
+        verifier: Verifier | None = None,
+    ) -> None:
         self.name = name
         self.decoder = SpeculativeDecoder(
-            ctx.target, drafter, decode=ctx.decode, eos_token_ids=ctx.eos_ids, config=ctx.engine
+            ctx.target, drafter, verifier, decode=ctx.decode, eos_token_ids=ctx.eos_ids,
+            config=ctx.engine,
         )
 
     def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
@@ -162,13 +169,11 @@ METHODS: dict[str, Factory] = {
     "arctic_suffix": lambda c: EngineMethod("arctic_suffix", c, ArcticSuffixDrafter()),
     # ASD: the suffix drafter with budgeted approximate greedy verification at regret
     # budgets B = 1, 4, 16 logits per request (g = 0.5, M = 1; not persisted). Approximate:
-    # identical_to_greedy is expected to be false where exceptions were taken. (The
-    # verifier is swapped in after construction: EngineMethod takes no verifier.)
+    # identical_to_greedy is expected to be false where exceptions were taken.
     **{
-        f"asd_b{b}": lambda c, b=b: (  # type: ignore[misc]
-            m := EngineMethod(f"asd_b{b}", c, SuffixDrafter()),
-            m.decoder.__dict__.update(verifier=BudgetedVerifier(BudgetConfig(float(b)))),
-        )[0]
+        f"asd_b{b}": lambda c, b=b: EngineMethod(  # type: ignore[misc]
+            f"asd_b{b}", c, SuffixDrafter(), BudgetedVerifier(BudgetConfig(float(b)))
+        )
         for b in (1, 4, 16)
     },
 }
