@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from agentspec.sampling import default_generator, normalise, sample
-from agentspec.types import Draft, SamplingParams, VerifyResult
-from agentspec.verifiers.greedy import GreedyVerifier
-from agentspec.verifiers.rejection import result_from, verifier_inputs
+from agentspec.sampling import normalise
+from agentspec.verifiers.rejection import SingleDraftSampler
 
 __all__ = ["BlockVerifier", "block_accept"]
 
@@ -98,33 +96,11 @@ def block_accept(
     return tau, next_dist
 
 
-class BlockVerifier:
+class BlockVerifier(SingleDraftSampler):
     """Greedy block verification (GBV): lossless, accepts at least as much as token-level
-    rejection sampling in expectation. The default sampling verifier.
+    rejection sampling in expectation. The default sampling verifier."""
 
-    Greedy requests (temperature 0) are served by the strict greedy rule, which is what
-    block verification reduces to when ``M_b`` is a point mass.
-    """
-
-    lossless = True
     name = "block"
 
     def __init__(self) -> None:
-        self._greedy = GreedyVerifier()
-
-    def verify(
-        self,
-        draft: Draft,
-        logits: torch.Tensor,  # [k+1, V]
-        sampling: SamplingParams,
-        rng: torch.Generator | None = None,
-    ) -> VerifyResult:
-        """Accept the block prefix GBV selects, then draw one token."""
-        if sampling.greedy:
-            return self._greedy.verify(draft, logits, sampling)
-        p, q, x = verifier_inputs(draft, logits, sampling)
-        gen = default_generator(rng, sampling)
-        eta = torch.rand(x.shape, generator=gen)  # [1, k]
-        tau, dist = block_accept(p, q, x, eta)
-        token = int(sample(dist, gen)[0])
-        return result_from(draft, int(tau[0]), token)
+        super().__init__(block_accept)

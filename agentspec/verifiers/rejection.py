@@ -16,6 +16,8 @@ call of exactly the code that serves requests (``N = 1``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from agentspec.errors import ConfigError
@@ -86,18 +88,29 @@ def result_from(draft: Draft, n: int, token: int) -> VerifyResult:
     )
 
 
-class RejectionVerifier:
-    """Standard token-by-token speculative sampling (lossless for any temperature).
+AcceptRule = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
-    Greedy requests (temperature 0) are served by the strict greedy rule, which is what
-    this rule reduces to when ``p`` is a point mass.
+
+class SingleDraftSampler:
+    """Verification of one draft with a lossless acceptance rule on uniform draws.
+
+    ``rule(p, q, x, u)`` returns the accepted length per row and the distribution of the
+    token drawn after it (correction or bonus); the rejection and block rules differ only
+    there. Greedy requests (temperature 0) are served by the strict greedy rule, which is
+    what both rules reduce to when the target distribution is a point mass.
+
+    Args:
+        rule: The acceptance rule.
     """
 
     lossless = True
-    name = "rejection"
+    name = "single_draft"
 
-    def __init__(self) -> None:
+    def __init__(self, rule: AcceptRule) -> None:
         self._greedy = GreedyVerifier()
+        self._rule = rule
 
     def verify(
         self,
@@ -106,12 +119,21 @@ class RejectionVerifier:
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
     ) -> VerifyResult:
-        """Accept a draft prefix by rejection sampling, then draw one token."""
+        """Accept the prefix the rule selects, then draw one token."""
         if sampling.greedy:
             return self._greedy.verify(draft, logits, sampling)
         p, q, x = verifier_inputs(draft, logits, sampling)
         gen = default_generator(rng, sampling)
         u = torch.rand(x.shape, generator=gen)  # [1, k]
-        n, dist = rejection_accept(p, q, x, u)
+        n, dist = self._rule(p, q, x, u)
         token = int(sample(dist, gen)[0])
         return result_from(draft, int(n[0]), token)
+
+
+class RejectionVerifier(SingleDraftSampler):
+    """Standard token-by-token speculative sampling (lossless for any temperature)."""
+
+    name = "rejection"
+
+    def __init__(self) -> None:
+        super().__init__(rejection_accept)
