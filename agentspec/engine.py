@@ -224,16 +224,7 @@ class SpeculativeDecoder:
             PromptTooLongError: prompt plus ``max_tokens`` exceed the context window.
         """
         sampling = sampling or SamplingParams()
-        if not prompt:
-            raise ConfigError("prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
-        limit = getattr(self.target, "max_positions", None)
-        if limit is not None and len(prompt) + max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
-                f"context window of {limit} positions"
-            )
+        self.check_request(prompt, max_tokens)
         rng = None
         if not sampling.greedy:
             rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
@@ -285,6 +276,24 @@ class SpeculativeDecoder:
         stats.generated_tokens = len(generated)
         stats.total_s = time.perf_counter() - t_start
         return Generation(generated, checker.final_text(generated), finish, stats)
+
+    def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Raise for an empty prompt, ``max_tokens < 1`` or a request past the context window.
+
+        Raises:
+            ConfigError: empty prompt or ``max_tokens < 1``.
+            PromptTooLongError: prompt plus ``max_tokens`` exceed the context window.
+        """
+        if not prompt:
+            raise ConfigError("prompt must hold at least one token")
+        if max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        limit = getattr(self.target, "max_positions", None)
+        if limit is not None and len(prompt) + max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
+                f"context window of {limit} positions"
+            )
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         if self.drafter is None or max_tokens < self.config.min_draft:

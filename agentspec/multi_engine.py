@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from agentspec.engine import Decode, EngineConfig, Generation, SpeculativeDecoder, _StopChecker
-from agentspec.errors import ConfigError, PromptTooLongError
+from agentspec.errors import ConfigError
 from agentspec.interfaces import Target
 from agentspec.types import (
     Draft,
@@ -110,16 +110,7 @@ class MultiDraftDecoder(SpeculativeDecoder):
     ) -> Generator[list[int], None, Generation]:
         """The decode loop (see :meth:`SpeculativeDecoder.steps`)."""
         sampling = sampling or SamplingParams()
-        if not prompt:
-            raise ConfigError("prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
-        limit = getattr(self.target, "max_positions", None)
-        if limit is not None and len(prompt) + max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
-                f"context window of {limit} positions"
-            )
+        self.check_request(prompt, max_tokens)
         # Drafts and verification draw from one seeded generator: same seed, same output.
         rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         for part in (self.multi_verifier, self.multi_drafter):
