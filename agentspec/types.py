@@ -149,6 +149,25 @@ class Draft:
             p != i - 1 for i, p in enumerate(self.parents)
         )
 
+    def branches(self) -> list[list[int]]:
+        """Root-to-leaf paths of the draft as indices into ``tokens``, longest first (ties:
+        the earlier leaf first); a chain draft is one path."""
+        n = len(self.tokens)
+        if self.parents is None:
+            return [list(range(n))] if n else []
+        has_child = [False] * n
+        for p in self.parents:
+            if p >= 0:
+                has_child[p] = True
+        paths = []
+        for leaf in (i for i in range(n) if not has_child[i]):
+            path, i = [], leaf
+            while i >= 0:
+                path.append(i)
+                i = self.parents[i]
+            paths.append(path[::-1])
+        return sorted(paths, key=lambda path: (-len(path), path[-1]))
+
     def truncated(self, n: int) -> Draft:
         """The chain draft cut to its first ``n`` tokens (trees keep nodes whose index < n)."""
         if n >= len(self.tokens):

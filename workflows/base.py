@@ -24,6 +24,9 @@ class Request:
         stop: Stop strings.
         tools: OpenAI-style tool schemas rendered into the prompt, or ``None``.
         meta: Workload-specific data carried into the per-turn records (e.g. edit name).
+        prefix: Text that opens the assistant turn (e.g. a file's opening fence). It is
+            part of the prompt, and the turn's output text starts with it when it is fed
+            back to the session.
     """
 
     messages: list[Message]
@@ -31,6 +34,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
 
 
 class Session(Protocol):

@@ -8,6 +8,7 @@ first: its outputs are the reference for ``identical_to_greedy`` and the oracle'
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -56,6 +57,7 @@ class BenchConfig:
         data_dir: Data folder for the workloads that read files.
         progress: Show progress bars.
         quick: At most 2 sessions of 2 turns per workload (a few minutes in all).
+        relay_prompt: DELEGATE-52 prompt style, ``"compact"`` or ``"template"``.
     """
 
     workloads: list[str] = field(default_factory=lambda: ["smoke"])
@@ -69,6 +71,7 @@ class BenchConfig:
     data_dir: str | None = None
     progress: bool = True
     quick: bool = False
+    relay_prompt: str = "compact"
 
     def __post_init__(self) -> None:
         if self.quick:
@@ -76,8 +79,14 @@ class BenchConfig:
             self.turns = min(self.turns, 2)
 
 
-def load_workload(name: str, data_dir: str | None) -> Workload:
+def load_workload(name: str, data_dir: str | None, **options: Any) -> Workload:
     """Instantiate workload ``name``.
+
+    Args:
+        name: A key of :data:`WORKLOADS`.
+        data_dir: Data folder for the workloads that read files.
+        **options: Workload-specific keyword arguments (e.g. ``prompt_style`` of
+            ``delegate52``), passed only to the workloads that accept them.
 
     Raises:
         BenchmarkError: unknown workload.
@@ -86,10 +95,9 @@ def load_workload(name: str, data_dir: str | None) -> Workload:
         raise BenchmarkError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     module, cls = WORKLOADS[name].split(":")
     factory: Callable[..., Workload] = getattr(importlib.import_module(module), cls)
-    try:
-        return factory(data_dir=data_dir)
-    except TypeError:
-        return factory()
+    params = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in {"data_dir": data_dir, **options}.items() if k in params}
+    return factory(**kwargs)
 
 
 def check_names(methods: list[str], workloads: list[str]) -> None:
@@ -160,7 +168,9 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
         target = HFTarget.load(TargetConfig(model=cfg.model, dtype=cfg.dtype))
     ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft))
     built = [build_method(m, ctx) for m in methods]  # fail fast on unknown names
-    workloads = [load_workload(w, cfg.data_dir) for w in cfg.workloads]
+    workloads = [
+        load_workload(w, cfg.data_dir, prompt_style=cfg.relay_prompt) for w in cfg.workloads
+    ]
     _warm_up(target, ctx)
     results: list[dict[str, Any]] = []
     turn_records: list[dict[str, Any]] = []
@@ -183,7 +193,10 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                 while (req := sess.next_request(last)) is not None:
                     turn += 1
                     prompt = render_prompt(target.tokenizer, req.messages, req.tools)
+                    if req.prefix:
+                        prompt += target.tokenizer.encode(req.prefix, add_special_tokens=False)
                     out = method.run(prompt, req, ref)
+                    text = req.prefix + out.text
                     key = (sess.session_id, turn)
                     if method.name == "greedy":
                         reference[key] = out.tokens
@@ -196,7 +209,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                         "mean_accepted_len": round(out.stats.mean_accepted_len, 3),
                         "identical_to_greedy": reference.get(key) == out.tokens,
                         "loop_share": round(loop_share(out.tokens), 4),
-                        "metrics": sess.turn_metrics(req, out.text),
+                        "metrics": sess.turn_metrics(req, text),
                     }
                     records.append(rec)
                     step_records.extend(
@@ -207,7 +220,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                         for i, s in enumerate(out.stats.steps)
                     )
                     agg.merge(out.stats)
-                    last = out.text
+                    last = text
                     bar.update(1)
             bar.close()
             results.append(_aggregate(wl.name, method.name, records, agg))
@@ -220,6 +233,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
         "config": {
             "workloads": cfg.workloads, "methods": methods, "limit": cfg.limit,
             "turns": cfg.turns, "dtype": cfg.dtype, "max_draft": cfg.max_draft,
+            "relay_prompt": cfg.relay_prompt,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
         "results": results,

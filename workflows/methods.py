@@ -23,7 +23,7 @@ from agentspec.drafters import (
     SuffixDrafter,
 )
 from agentspec.engine import EngineConfig, SpeculativeDecoder
-from agentspec.errors import BenchmarkError
+from agentspec.errors import AgentSpecError, BenchmarkError
 from agentspec.interfaces import Drafter, Verifier
 from agentspec.targets.hf import HFTarget
 from agentspec.types import RequestStats, SessionRef, StepStats
@@ -177,6 +177,34 @@ METHODS: dict[str, Factory] = {
         for b in (1, 4, 16)
     },
 }
+
+
+def _hvd(name: str, policy: str | None) -> Factory:
+    """Factory of an HVD method (issue 6): ``policy=None`` is the model drafter alone.
+
+    The trained model drafter is loaded when the method is built, so a missing artifact
+    fails the run before any model time is spent, with a BenchmarkError naming the fix.
+    """
+
+    def build(c: MethodContext) -> Method:
+        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
+
+        try:
+            drafter: Drafter = (load_model_drafter(c.target) if policy is None
+                                else build_hybrid(c.target, policy))
+        except AgentSpecError as exc:
+            raise BenchmarkError(f"method {name!r} cannot be built: {exc}") from None
+        return EngineMethod(name, c, drafter)
+
+    return build
+
+
+METHODS.update({
+    "model": _hvd("model", None),
+    "arctic_rule": _hvd("arctic_rule", "arctic_rule"),
+    "hybrid": _hvd("hybrid", "cost_aware"),
+    "hybrid_threshold": _hvd("hybrid_threshold", "threshold"),  # the paper's ŷ >= τ rule
+})
 
 
 def register_method(name: str, factory: Factory) -> None:

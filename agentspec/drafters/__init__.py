@@ -1,6 +1,7 @@
 """Draft sources. Each implements :class:`agentspec.interfaces.Drafter`."""
 
 from agentspec.drafters.arctic import ArcticConfig, ArcticSuffixDrafter
+from agentspec.drafters.distilled import DistilledDrafter, load_default_drafter
 from agentspec.drafters.lookup import PromptLookupConfig, PromptLookupDrafter
 from agentspec.drafters.oracle import OracleDrafter
 from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
@@ -8,9 +9,11 @@ from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
 __all__ = [
     "ArcticConfig",
     "ArcticSuffixDrafter",
+    "DistilledDrafter",
     "OracleDrafter",
     "PromptLookupConfig",
     "PromptLookupDrafter",
     "SuffixConfig",
     "SuffixDrafter",
+    "load_default_drafter",
 ]

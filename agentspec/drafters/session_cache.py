@@ -72,6 +72,9 @@ class SuffixConfig:
             are reloaded from the store, if any, when needed again).
         use_request_index: Consult the per-request index.
         use_history: Consult (and fill) the history indexes.
+        tree: Draft a small token tree (the most probable continuations, best first, at
+            most ``max_tokens`` nodes) instead of one chain; the engine verifies its
+            branches in one batched forward (greedy requests only).
     """
 
     max_depth: int = 64
@@ -84,6 +87,7 @@ class SuffixConfig:
     max_scopes: int = 256
     use_request_index: bool = True
     use_history: bool = True
+    tree: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
@@ -213,18 +217,29 @@ class SuffixDrafter:
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
         args = (limit, cfg.max_depth, cfg.max_spec_factor, cfg.max_spec_offset,
                 cfg.min_token_prob)
-        best: tuple[list[int], int, float] = ([], 0, 0.0)
+        best: tuple[list[int], int, float, list[int] | None] = ([], 0, 0.0, None)
         origin = "none"
         with self._lock:
             if cfg.use_request_index:
-                best = self._request(ctx).index.speculate(window, *args)
+                best = self._speculate(self._request(ctx).index, window, args)
                 origin = "request" if best[0] else "none"
             if cfg.use_history and ctx.session is not None:
-                hist = self._scope(ctx.session).index.speculate(window, *args)
+                hist = self._speculate(self._scope(ctx.session).index, window, args)
                 if hist[0] and (hist[2], hist[1]) > (best[2], best[1]):
                     best, origin = hist, "history"
         self.last_origin = origin
-        return Draft(tokens=best[0], score=best[2], match_len=best[1], source=self.name)
+        return Draft(tokens=best[0], parents=best[3], score=best[2], match_len=best[1],
+                     source=self.name)
+
+    def _speculate(
+        self, index: SuffixIndex, window: list[int], args: tuple[int, int, float, float, float]
+    ) -> tuple[list[int], int, float, list[int] | None]:
+        """One index's draft: ``(tokens, match length, score, parents or None)``."""
+        if not self.config.tree:
+            toks, ell, score = index.speculate(window, *args)
+            return toks, ell, score, None
+        tree = index.speculate_tree(window, *args)
+        return tree.tokens, tree.match_len, tree.score, tree.parents
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Append the committed tokens to the request index (checked again at ``propose``)."""

@@ -14,15 +14,16 @@ suffix (kept per sequence) instead of the whole prefix: at most ``cap + 1`` stat
 handful. Counts of states whose shortest string is longer than ``cap`` are never read. Each
 counted state also records ``tim``: the index clock when its latest occurrence ended.
 
-Speculation (``speculate``). Find the longest suffix ``w`` of the context (``|w| <= max_depth``)
-that occurs in the index *followed by a token*, then greedily extend it with its most frequent
-continuation: ``p(t | w) = freq(w t) / sum_u freq(w u)`` (continuation counts: an occurrence
-at the very end of a sequence - e.g. the live context itself - has no next token and does
+Speculation (``speculate``). For every suffix ``w`` of the context (``|w| <= max_depth``) that
+occurs in the index *followed by a token* (longest first), greedily extend it with its most
+frequent continuation: ``p(t | w) = freq(w t) / sum_u freq(w u)`` (continuation counts: an
+occurrence at the very end of a sequence - e.g. the live context itself - has no next token and does
 not dilute the probabilities). The cumulative product of these probabilities is the path
 probability; a token is kept while it stays ``>= min_token_prob`` and the draft length is
 ``<= min(max_tokens, int(max_spec_factor * |w| + max_spec_offset))``. The score is the sum of
 the kept tokens' path probabilities (the expected accepted length if the estimates are
-calibrated), as in arctic-inference. Ties between equally frequent continuations go to the
+calibrated); the draft of the highest score wins (ties: the longer match), as in
+arctic-inference. Ties between equally frequent continuations go to the
 one whose most recent occurrence was appended last (the latest version of an edited text).
 
 Transitions are stored inline for states with at most one outgoing token (most of them in
@@ -304,7 +305,7 @@ class SuffixIndex:
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
     ) -> tuple[list[int], int, float]:
-        """Greedy most-frequent continuation of the longest matching context suffix.
+        """Best-scoring greedy continuation over the matching context suffixes.
 
         Args:
             context: Token ids; only the last ``max_depth`` are looked at.
@@ -317,10 +318,50 @@ class SuffixIndex:
         Returns:
             ``(draft tokens, match length, score)``; ``([], 0, 0.0)`` without a match.
         """
+        _, ell, out, score = self._best_match(
+            context, max_tokens, max_depth, max_spec_factor, max_spec_offset, min_token_prob
+        )
+        return out, ell, score
+
+    def _best_match(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        max_depth: int,
+        max_spec_factor: float,
+        max_spec_offset: float,
+        min_token_prob: float,
+    ) -> tuple[int, int, list[int], float]:
+        """The winning matched state: ``(state, match length, greedy draft, score)``; the
+        longest match with an empty draft when no match drafts anything.
+
+        Every match length competes, as in arctic-inference: a shorter suffix occurs more
+        often, so its continuation statistics can be more confident than the longest
+        match's (e.g. after an edit changed the last few tokens of a copied line). The
+        strings of one automaton state share their continuations, so per state only its
+        longest matched string matters (it earns the largest length cap), and walking the
+        suffix links visits every distinct candidate from the longest match down.
+        """
         v, ell = self.match(context, max_depth)
-        if ell == 0:
-            return [], 0, 0.0
-        limit = spec_limit(ell, min(max_tokens, self.max_draft), max_spec_factor, max_spec_offset)
+        cap = min(max_tokens, self.max_draft)
+        best: tuple[int, int, list[int], float] = (v, ell, [], 0.0)
+        ln, link, tok1 = self._len, self._link, self._tok1
+        while ell > 0:
+            limit = spec_limit(ell, cap, max_spec_factor, max_spec_offset)
+            if limit <= best[3]:
+                break  # score <= draft length <= limit: shorter matches cannot win
+            if tok1[v] != _NONE:
+                out, score = self._greedy_path(v, limit, min_token_prob)
+                # A shorter match must win by more than rounding: equal scores computed
+                # along different paths differ in the last bits, and ties go to the longer.
+                if out and score > best[3] + _EPS:
+                    best = (v, ell, out, score)
+            v = link[v]
+            ell = ln[v]
+        return best
+
+    def _greedy_path(self, v: int, limit: int, min_token_prob: float) -> tuple[list[int], float]:
+        """Follow the most frequent continuation from state ``v``: (tokens, score)."""
         out: list[int] = []
         prob, score = 1.0, 0.0
         while len(out) < limit:
@@ -331,7 +372,7 @@ class SuffixIndex:
             out.append(tok)
             score += prob
             v = x
-        return out, ell, score
+        return out, score
 
     def speculate_tree(
         self,
@@ -344,11 +385,14 @@ class SuffixIndex:
     ) -> TreeSpeculation:
         """Best-first token tree: repeatedly add the most probable unexpanded continuation.
 
-        Same arguments as :meth:`speculate`; ``max_tokens`` bounds the number of tree nodes.
+        Same arguments as :meth:`speculate`, grown from the match :meth:`speculate` picks;
+        ``max_tokens`` bounds the number of tree nodes.
         A chain equal to :meth:`speculate`'s draft is contained in the tree whenever the
         greedy path's probabilities stay the highest ones.
         """
-        v, ell = self.match(context, max_depth)
+        v, ell, _, _ = self._best_match(
+            context, max_tokens, max_depth, max_spec_factor, max_spec_offset, min_token_prob
+        )
         limit = spec_limit(ell, min(max_tokens, self.max_draft), max_spec_factor, max_spec_offset)
         tokens: list[int] = []
         parents: list[int] = []

@@ -1,0 +1,13 @@
+"""Hybrid Verified Decoding's payoff predictor (DESIGN.md, HVD).
+
+* :mod:`~agentspec.payoff.features` — the runtime features φ_t of a cache draft;
+* :mod:`~agentspec.payoff.predictor` — the MLP g_θ(φ_t) -> ŷ_t (save/load as small JSON);
+* :mod:`~agentspec.payoff.traces` — greedy trace files (generate, validate, read);
+* :mod:`~agentspec.payoff.replay` — trace replay into oracle accepted lengths, the
+  session-level split, τ selection and quality numbers;
+* :mod:`~agentspec.payoff.training` — the training pipeline behind ``train-predictor``;
+* :mod:`~agentspec.payoff.policy` — source policies (cost-aware, threshold, ArcticRule);
+* :mod:`~agentspec.payoff.defaults` — the shipped predictor and ``build_hybrid``.
+
+The drafter itself is :class:`agentspec.drafters.hybrid.HybridDrafter`.
+"""

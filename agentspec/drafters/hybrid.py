@@ -1,0 +1,125 @@
+"""Hybrid Verified Decoding as a drafter: a cache drafter, a model drafter and a policy.
+
+Each step the cache drafter drafts first (microseconds); the policy
+(:class:`~agentspec.payoff.policy.SourcePolicy`) then decides — from the cache draft, its
+features φ_t and, for the cost-aware policy, the target's c(k) — whether to verify the
+cache draft (possibly truncated), to draft with the model instead, or to decode plainly.
+The model drafter only runs when chosen, so a step the cache wins costs no model forward.
+
+The returned :class:`~agentspec.types.Draft` keeps the winning sub-drafter's ``source``,
+so the engine's per-step records (``StepStats.source`` / ``drafter_wins``) show which
+source won each step. ``observe`` / ``finish`` / ``begin_request`` go to *both*
+sub-drafters every step, whichever won: the cache indexes every committed token and the
+model drafter re-syncs its KV cache from the context, so neither falls out of step.
+
+Verification is untouched, so HVD is exactly as lossless as the verifier it runs under.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agentspec.interfaces import Drafter
+from agentspec.payoff.features import TokenTable, features
+from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
+from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+
+__all__ = ["HybridDrafter"]
+
+_RECENT_KEEP = 16  # steps of (draft_len, accepted) kept for the features
+
+
+class HybridDrafter:
+    """Chooses between a cache drafter and a model drafter each step.
+
+    Args:
+        cache: The cache drafter (e.g. :class:`~agentspec.drafters.SuffixDrafter`).
+        model: The model drafter (e.g. :class:`~agentspec.drafters.model.ModelDrafter`).
+        policy: Which source to verify (learned, cost-aware or a hand rule).
+        table: Character classes of the vocabulary (features); a blank table when the
+            policy needs no features.
+        model_max: Most tokens the model drafter drafts per step.
+        name: This drafter's name (the sources of its drafts are the sub-drafters').
+
+    Attributes:
+        wins: Steps won per source (``"cache"``, ``"model"``, ``"none"``) since creation.
+        last_choice: The policy's latest :class:`~agentspec.payoff.policy.Choice`.
+    """
+
+    def __init__(
+        self,
+        cache: Drafter,
+        model: Drafter,
+        policy: SourcePolicy,
+        table: TokenTable | None = None,
+        model_max: int = 6,
+        name: str = "hybrid",
+    ) -> None:
+        if model_max < 1:
+            raise ValueError(f"model_max must be >= 1, got {model_max!r}")
+        if policy.needs_features and table is None:
+            raise ValueError(f"policy {policy.name!r} needs features: pass a TokenTable")
+        self.cache = cache
+        self.model = model
+        self.policy = policy
+        self.table = table
+        self.model_max = model_max
+        self.name = name
+        self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
+        self.last_choice: Any = None
+        self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
+        self._pending: tuple[str, int, float] | None = None  # (source, draft_len, draft_s)
+
+    # -- the Drafter protocol -------------------------------------------------------------
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        """Draft with the source the policy picks (at most ``max_tokens`` tokens)."""
+        if ctx.step == 0:
+            self._recent.clear()
+        if max_tokens < 1:
+            self._pending = None
+            return Draft(source=NONE)
+        cache = self.cache.propose(ctx, max_tokens)
+        phi = None
+        if self.policy.needs_features and self.table is not None:
+            phi = features(ctx.tokens, ctx.prompt_len, cache, self._recent, self.table)
+        model_len = min(self.model_max, max_tokens)
+        choice = self.policy.choose(cache, model_len, phi)
+        self.last_choice = choice
+        t0 = time.perf_counter()
+        if choice.source == CACHE:
+            draft = cache.truncated(max(1, choice.length))
+        elif choice.source == MODEL:
+            draft = self.model.propose(ctx, max(1, min(choice.length, model_len)))
+        else:
+            draft = Draft(source=NONE)
+        self.wins[choice.source] = self.wins.get(choice.source, 0) + 1
+        self._pending = (choice.source, len(draft.tokens), time.perf_counter() - t0)
+        return draft
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        """Forward to both sub-drafters; record the step for features and the policy."""
+        self.cache.observe(ctx, result)
+        self.model.observe(ctx, result)
+        if self._pending is not None:
+            source, k, draft_s = self._pending
+            self._recent.append((k, result.num_accepted))
+            del self._recent[:-_RECENT_KEEP]
+            self.policy.update(source, k, result.num_accepted, draft_s)
+            self._pending = None
+
+    def finish(self, ctx: DraftContext) -> None:
+        """Forward to both sub-drafters; the request's step history ends."""
+        self.cache.finish(ctx)
+        self.model.finish(ctx)
+        self._recent.clear()
+        self._pending = None
+
+    def begin_request(self, session: SessionRef | None, rng: Any) -> None:
+        """Forward the engine's request start to the sub-drafters that take it."""
+        self._recent.clear()
+        for part in (self.cache, self.model):
+            begin = getattr(part, "begin_request", None)
+            if begin is not None:
+                begin(session, rng)

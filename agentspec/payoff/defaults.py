@@ -1,0 +1,150 @@
+"""Building HVD for a loaded target: the shipped predictor, the token table, the drafters.
+
+The default predictor (``default_predictor.json`` next to this file, a few KB) was trained
+by ``agentspec train-predictor`` on greedy traces of the embedded model over the shared
+workloads. It records the vocabulary size and tokenizer fingerprint it was trained with;
+loading it for another tokenizer raises instead of producing meaningless predictions.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from agentspec.drafters.hybrid import HybridDrafter
+from agentspec.drafters.session_cache import SuffixDrafter
+from agentspec.errors import AgentSpecError
+from agentspec.interfaces import Drafter
+from agentspec.payoff.features import TokenTable
+from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
+from agentspec.payoff.predictor import PayoffPredictor, PredictorError
+from agentspec.payoff.traces import tokenizer_fingerprint
+
+DEFAULT_PREDICTOR = Path(__file__).with_name("default_predictor.json")
+POLICIES = ("cost_aware", "threshold", "arctic_rule")
+
+_tables: dict[int, TokenTable] = {}
+_lock = threading.Lock()
+
+
+class DrafterUnavailableError(AgentSpecError):
+    """The model drafter (its code or its trained artifact) is not available."""
+
+
+def token_table(target: Any) -> TokenTable:
+    """The character-class table of ``target``'s vocabulary (built once per tokenizer)."""
+    tok = getattr(target, "tokenizer", None)
+    key = id(tok) if tok is not None else -int(target.vocab_size)
+    with _lock:
+        if key not in _tables:
+            _tables[key] = (TokenTable.from_tokenizer(tok, target.vocab_size) if tok is not None
+                            else TokenTable.blank(target.vocab_size))
+        return _tables[key]
+
+
+def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
+    """The predictor at ``path`` (default: the shipped one), checked against ``target``.
+
+    Raises:
+        PredictorError: missing/malformed file, or trained for another vocabulary or
+            tokenizer (the message names both).
+    """
+    pred = PayoffPredictor.load(path or DEFAULT_PREDICTOR)
+    vocab = pred.meta.get("vocab_size")
+    if vocab is not None and vocab != target.vocab_size:
+        raise PredictorError(
+            f"payoff predictor {str(path or DEFAULT_PREDICTOR)!r} was trained for "
+            f"vocab_size={vocab}, the target has {target.vocab_size}; run "
+            "`agentspec train-predictor` for this model"
+        )
+    want = pred.meta.get("tokenizer")
+    have = tokenizer_fingerprint(getattr(target, "tokenizer", None))
+    if want not in (None, "none") and have != "none" and want != have:
+        raise PredictorError(
+            f"payoff predictor was trained with tokenizer {want!r}, the target's is {have!r}; "
+            "run `agentspec train-predictor` for this model"
+        )
+    return pred
+
+
+def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 6) -> Drafter:
+    """The model drafter: ``model`` (a causal LM folder / embedded name) when given, else
+    the distilled drafter trained for ``target`` (``agentspec.drafters.distilled``).
+
+    Raises:
+        DrafterUnavailableError: no distilled drafter in this build, or its artifact is
+            missing (the message says how to build it).
+    """
+    if model is not None:
+        from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+
+        return ModelDrafter.load(model, ModelDrafterConfig(max_tokens=max_tokens),
+                                 vocab_size=target.vocab_size)
+    try:
+        from agentspec.drafters import distilled
+    except ImportError as exc:
+        raise DrafterUnavailableError(
+            f"no model drafter: agentspec.drafters.distilled is not available ({exc}); "
+            "pass a draft model folder or run `agentspec train-drafter`"
+        ) from None
+    from agentspec.drafters.model import ModelDrafterConfig
+
+    try:
+        drafter: Drafter = distilled.load_default_drafter(
+            target, ModelDrafterConfig(max_tokens=max_tokens)
+        )
+    except (OSError, AgentSpecError) as exc:
+        raise DrafterUnavailableError(
+            f"the distilled model drafter could not be loaded: {exc} "
+            "(run `agentspec train-drafter` to build it)"
+        ) from None
+    return drafter
+
+
+def make_policy(name: str, target: Any, predictor: PayoffPredictor | None = None) -> SourcePolicy:
+    """Build a source policy by name (``cost_aware``, ``threshold`` or ``arctic_rule``).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "arctic_rule":
+        return ArcticRule()
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    pred = predictor or load_predictor(target)
+    if name == "threshold":
+        return ThresholdPolicy(pred)
+    return CostAwarePolicy(pred, target.verify_cost)
+
+
+def build_hybrid(
+    target: Any,
+    policy: str = "cost_aware",
+    cache: Drafter | None = None,
+    model: Drafter | None = None,
+    predictor: PayoffPredictor | None = None,
+    model_max: int = 6,
+) -> HybridDrafter:
+    """A :class:`HybridDrafter` for ``target`` with the named policy.
+
+    Args:
+        target: The loaded target (vocabulary, tokenizer and c(k)).
+        policy: ``cost_aware`` (default), ``threshold`` (paper HVD) or ``arctic_rule``.
+        cache: The cache drafter (a fresh :class:`SuffixDrafter` when ``None``).
+        model: The model drafter (:func:`load_model_drafter` when ``None``).
+        predictor: The payoff predictor (the shipped default when ``None``).
+        model_max: Most tokens the model drafter drafts per step.
+
+    Raises:
+        DrafterUnavailableError: no model drafter given and none can be loaded.
+        PredictorError: the predictor does not fit ``target``.
+    """
+    # The model drafter first: a missing drafter artifact is the likelier, bigger problem.
+    model = model or load_model_drafter(target, max_tokens=model_max)
+    pol = make_policy(policy, target, predictor)
+    table = token_table(target) if pol.needs_features else None
+    return HybridDrafter(
+        cache or SuffixDrafter(), model, pol, table, model_max=model_max,
+        name=policy if policy == "arctic_rule" else "hybrid",
+    )

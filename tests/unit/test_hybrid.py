@@ -1,0 +1,156 @@
+"""HybridDrafter: lossless through the engine with every policy (token-identical to greedy,
+fp32), both sub-drafters kept in sync, per-step source records, and the HVD bench methods
+failing clearly without a trained drafter."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from agentspec.drafters.hybrid import HybridDrafter
+from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.session_cache import SuffixDrafter
+from agentspec.engine import EngineConfig, SpeculativeDecoder
+from agentspec.payoff.features import NUM_FEATURES, TokenTable
+from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
+from agentspec.payoff.predictor import PayoffPredictor
+from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+from tests.conftest import TINY_VOCAB, CharDecoder
+from tests.unit.test_engine_lossless import hf_greedy
+
+EOS = 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_model):  # type: ignore[no-untyped-def]
+    """The tiny model with noisy weights: a model drafter that is often right."""
+    out = copy.deepcopy(tiny_model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for prm in out.parameters():
+            prm.add_(0.05 * torch.randn(prm.shape, generator=gen))
+    return out
+
+
+def _predictor(value: float, tau: float) -> PayoffPredictor:
+    return PayoffPredictor([0.0] * NUM_FEATURES, [1.0] * NUM_FEATURES,
+                           [([[0.0] * NUM_FEATURES], [value])], tau)
+
+
+def _policies() -> dict[str, SourcePolicy]:
+    return {
+        "threshold": ThresholdPolicy(_predictor(7.0, 6.0)),  # cache whenever it has a draft
+        "cost_aware": CostAwarePolicy(_predictor(3.0, 6.0), lambda k: 1.0 + 0.05 * k),
+        "arctic_rule": ArcticRule(),
+    }
+
+
+class Recorder:
+    """Wraps a drafter and counts the protocol calls it receives."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", "?")
+        self.calls = {"propose": 0, "observe": 0, "finish": 0, "begin_request": 0}
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        self.calls["propose"] += 1
+        return self.inner.propose(ctx, max_tokens)  # type: ignore[attr-defined,no-any-return]
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        self.calls["observe"] += 1
+        self.inner.observe(ctx, result)  # type: ignore[attr-defined]
+
+    def finish(self, ctx: DraftContext) -> None:
+        self.calls["finish"] += 1
+        self.inner.finish(ctx)  # type: ignore[attr-defined]
+
+    def begin_request(self, session: SessionRef | None, rng: object) -> None:
+        self.calls["begin_request"] += 1
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        chunk = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randint(5, 12))]
+        out.append([0, *chunk, *[rng.randrange(2, TINY_VOCAB) for _ in range(4)], *chunk])
+    return out
+
+
+@pytest.mark.parametrize("policy_name", ["threshold", "cost_aware", "arctic_rule"])
+def test_hybrid_is_lossless_through_the_engine(
+    tiny_model, tiny_target, draft_model, policy_name: str  # type: ignore[no-untyped-def]
+) -> None:
+    table = TokenTable.from_decode(CharDecoder(), TINY_VOCAB)
+    cache = Recorder(SuffixDrafter())
+    model = Recorder(ModelDrafter(draft_model, ModelDrafterConfig(max_tokens=4)))
+    hybrid = HybridDrafter(cache, model, _policies()[policy_name], table, model_max=4)  # type: ignore[arg-type]
+    engine = SpeculativeDecoder(tiny_target, hybrid, eos_token_ids=[EOS],
+                                config=EngineConfig(max_draft=8))
+    session = SessionRef("s1")
+    sources: set[str] = set()
+    steps = 0
+    for prompt in _prompts(1):
+        # A two-turn session: the second turn resends the first turn's output.
+        ref: list[int] = []
+        for turn in range(2):
+            ids = prompt if turn == 0 else [*prompt, *ref[:10], 3, *prompt[1:6]]
+            ref = hf_greedy(tiny_model, ids, 30, EOS)
+            gen = engine.generate(ids, max_tokens=30, session=session)
+            assert gen.tokens == ref, (policy_name, turn)
+            sources.update(s.source for s in gen.stats.steps)
+            steps += len(gen.stats.steps)
+    assert sources <= {"suffix", "model", "none"}
+    assert "suffix" in sources or "model" in sources
+    # observe() and finish() reach both sub-drafters every step, whichever source won.
+    assert cache.calls["observe"] == model.calls["observe"] == steps
+    assert cache.calls["finish"] == model.calls["finish"] == 6
+    assert cache.calls["begin_request"] == model.calls["begin_request"] == 6
+    assert sum(hybrid.wins.values()) == cache.calls["propose"]
+
+
+def test_threshold_policy_uses_both_sources(tiny_target, draft_model) -> None:  # type: ignore[no-untyped-def]
+    table = TokenTable.from_decode(CharDecoder(), TINY_VOCAB)
+    model = ModelDrafter(draft_model, ModelDrafterConfig(max_tokens=4))
+    hybrid = HybridDrafter(SuffixDrafter(), model, _policies()["threshold"], table, model_max=4)
+    engine = SpeculativeDecoder(tiny_target, hybrid, eos_token_ids=[EOS])
+    chunk = list(range(10, 30))
+    stats = engine.generate([0, *chunk, 5, *chunk[:3]], max_tokens=40).stats
+    wins = stats.drafter_wins()
+    assert wins.get("suffix", 0) > 0 and wins.get("model", 0) > 0, wins
+
+
+def test_hybrid_refuses_a_feature_policy_without_a_table(draft_model) -> None:  # type: ignore[no-untyped-def]
+    model = ModelDrafter(draft_model)
+    with pytest.raises(ValueError, match="TokenTable"):
+        HybridDrafter(SuffixDrafter(), model, _policies()["threshold"], None)
+    with pytest.raises(ValueError, match="model_max"):
+        HybridDrafter(SuffixDrafter(), model, ArcticRule(), None, model_max=0)
+
+
+@pytest.mark.parametrize("method", ["model", "arctic_rule", "hybrid"])
+def test_hvd_methods_fail_clearly_without_a_drafter(
+    tiny_target, monkeypatch, method: str  # type: ignore[no-untyped-def]
+) -> None:
+    from agentspec.drafters import distilled
+    from agentspec.errors import BenchmarkError, ModelLoadError
+    from workflows.methods import MethodContext, build_method
+
+    def missing(*_a: object, **_k: object) -> None:
+        raise ModelLoadError("no trained drafter for target 'tiny-llama'")
+
+    monkeypatch.setattr(distilled, "load_default_drafter", missing)
+    with pytest.raises(BenchmarkError, match=f"method '{method}'.*no trained drafter"):
+        build_method(method, MethodContext(tiny_target))

@@ -1,0 +1,283 @@
+"""The payoff predictor: features, trace replay oracle, session split, MLP save/load, the
+source policies and the refusal of bad traces (no model needed except the CLI check)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from agentspec.drafters.session_cache import SuffixDrafter
+from agentspec.payoff.features import FEATURE_NAMES, NUM_FEATURES, TokenTable, features
+from agentspec.payoff.policy import (
+    ArcticRule,
+    CostAwarePolicy,
+    ThresholdPolicy,
+    best_length,
+    expected_accepted,
+    solve_alpha,
+)
+from agentspec.payoff.predictor import PayoffPredictor, PredictorError
+from agentspec.payoff.replay import common_prefix, evaluate, pick_tau, replay_trace, split_sessions
+from agentspec.payoff.traces import (
+    Trace,
+    TraceError,
+    TraceSet,
+    TraceTurn,
+    read_traces,
+    write_traces,
+)
+from agentspec.payoff.training import TrainConfig, train_predictor
+from agentspec.types import Draft, DraftContext
+from tests.conftest import TINY_VOCAB, CharDecoder
+
+F = {name: i for i, name in enumerate(FEATURE_NAMES)}
+A = CharDecoder.alphabet
+TABLE = TokenTable.from_decode(CharDecoder(), TINY_VOCAB)
+
+
+def ids(text: str) -> list[int]:
+    return [A.index(c) for c in text]
+
+
+def constant_predictor(value: float, tau: float = 6.0) -> PayoffPredictor:
+    """A predictor whose ŷ is ``value`` whatever the features (zero weights, bias)."""
+    return PayoffPredictor([0.0] * NUM_FEATURES, [1.0] * NUM_FEATURES,
+                           [([[0.0] * NUM_FEATURES], [value])], tau)
+
+
+# -- features ------------------------------------------------------------------------------
+
+def test_features_shape_and_values() -> None:
+    prompt = ids('tool: {"a": 1,\n "b": ')
+    out = ids("2, ")
+    tokens = prompt + out
+    draft = Draft(tokens=ids('"c" '), score=2.5, match_len=3, source="suffix")
+    phi = features(tokens, len(prompt), draft, [(4, 4), (5, 1)], TABLE)
+    assert len(phi) == NUM_FEATURES == len(FEATURE_NAMES)
+    assert phi[F["log_match_len"]] == pytest.approx(math.log1p(3))
+    assert phi[F["log_draft_len"]] == pytest.approx(math.log1p(4))
+    assert phi[F["log_score"]] == pytest.approx(math.log1p(2.5))
+    assert phi[F["score_per_token"]] == pytest.approx(2.5 / 4)
+    assert phi[F["log_position"]] == pytest.approx(math.log1p(3))
+    assert phi[F["log_prompt_len"]] == pytest.approx(math.log1p(len(prompt)))
+    assert phi[F["log_last_accepted"]] == pytest.approx(math.log1p(1))
+    assert phi[F["log_mean_accepted"]] == pytest.approx(math.log1p(2.5))
+    assert phi[F["full_accept_share"]] == pytest.approx(0.5)
+    assert phi[F["inside_json"]] == 1.0  # '{' never closed
+    assert phi[F["inside_code"]] == 0.0
+    assert phi[F["draft_space_share"]] == pytest.approx(1 / 4)
+    assert phi[F["draft_punct_share"]] == pytest.approx(2 / 4)  # the two quotes
+    # Tokens since the newline: ' "b": 2, ' = 9 characters.
+    assert phi[F["log_newline_dist"]] == pytest.approx(math.log1p(9))
+    closed = features(ids('{"a": 1}') + ids(" ok"), 8, Draft(), [], TABLE)
+    assert closed[F["inside_json"]] == 0.0 and closed[F["log_draft_len"]] == 0.0
+
+
+# -- replay --------------------------------------------------------------------------------
+
+def _hand_trace() -> Trace:
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 2, 10, 11]
+    return Trace("s1", "wl", [
+        TraceTurn(prompt, [12, 13, 14, 99, 5]),
+        TraceTurn([50, 13], [14, 99, 5]),  # the history holds "13 14 99 5" from turn 1
+    ])
+
+
+def test_replay_oracle_lengths_on_a_hand_made_trace() -> None:
+    trace = _hand_trace()
+    samples = replay_trace(trace, TABLE, max_draft=8)
+    assert len(samples) == trace.num_output_tokens == 8
+    # Turn 1: "10 11" matches the prompt: draft 12 13 14 15 ... vs truth 12 13 14 99.
+    assert samples[0].accepted == 3
+    assert samples[3].accepted == 0  # draft continues 15, the truth is 99
+    # Turn 2 starts from the history index: 13 -> 14 99 5 is the whole continuation.
+    assert samples[5].accepted == 3
+    # Every oracle equals a fresh drafter's draft against the true continuation.
+    for turn_i, start in ((0, 0), (1, 5)):
+        turn = trace.turns[turn_i]
+        for p in range(len(turn.output)):
+            fresh = SuffixDrafter()
+            if turn_i == 1:
+                t0 = trace.turns[0]
+                fresh.finish(DraftContext(t0.prompt + t0.output, len(t0.prompt), _ref()))
+            ctx = list(turn.prompt) + turn.output[:p]
+            d = fresh.propose(DraftContext(ctx, len(turn.prompt), _ref()), 8)
+            assert samples[start + p].accepted == common_prefix(d.tokens, turn.output[p:])
+    # The cache-only walk: its first step (accepted 3) completes at position 4.
+    assert all(s.phi[F["log_last_accepted"]] == 0.0 for s in samples[:4])
+    assert samples[4].phi[F["log_last_accepted"]] == pytest.approx(math.log1p(3))
+
+
+def _ref():  # type: ignore[no-untyped-def]
+    from agentspec.types import SessionRef
+
+    return SessionRef("replay")
+
+
+def test_split_is_by_session_never_by_step() -> None:
+    traces = [Trace(f"{wl}-{i}", wl, [TraceTurn([1, 2, 3], [1, 2, 3])])
+              for wl in ("a", "b") for i in range(5)]
+    train, val = split_sessions(traces, 0.3, seed=0)
+    assert train and val and not train & val
+    assert train | val == {t.session_id for t in traces}
+    assert {s.split("-")[0] for s in val} == {"a", "b"}  # every workload is validated
+    assert split_sessions(traces, 0.3, seed=0) == (train, val)  # seeded
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_sessions(traces, 1.5)
+
+
+# -- predictor -----------------------------------------------------------------------------
+
+def _synthetic(n: int, seed: int) -> tuple[list[list[float]], list[float]]:
+    import random
+
+    rng = random.Random(seed)
+    xs = [[rng.random() * 3 for _ in range(NUM_FEATURES)] for _ in range(n)]
+    return xs, [2.0 * x[0] + (3.0 if x[9] > 1.5 else 0.0) for x in xs]
+
+
+def test_predictor_fits_and_round_trips(tmp_path: Path) -> None:
+    x, y = _synthetic(300, 0)
+    xv, yv = _synthetic(100, 1)
+    pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0)
+    mean = sum(y) / len(y)
+    assert evaluate(pred.predict_many(xv), [round(v) for v in yv], 6).mae < \
+        0.65 * evaluate([mean] * len(yv), [round(v) for v in yv], 6).mae
+    pred.tau, pred.meta = 4.5, {"vocab_size": 96}
+    path = tmp_path / "p.json"
+    pred.save(path)
+    assert path.stat().st_size < 16_000
+    back = PayoffPredictor.load(path)
+    assert back.tau == 4.5 and back.meta == {"vocab_size": 96}
+    for row in xv[:20]:
+        assert back.predict(row) == pytest.approx(pred.predict(row), abs=1e-3)
+    assert back.predict_many(xv[:5]) == pytest.approx([back.predict(r) for r in xv[:5]],
+                                                     abs=1e-4)
+    data = json.loads(path.read_text())
+    data["features"] = data["features"][:-1]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PredictorError, match="features"):
+        PayoffPredictor.load(path)
+
+
+def test_pick_tau_and_quality() -> None:
+    pred = [0.5, 1.0, 7.0, 8.0, 6.5, 2.0]
+    true = [0, 1, 9, 6, 2, 7]
+    tau = pick_tau(pred, true)
+    q = evaluate(pred, true, tau)
+    # F1 is best predicting the top four: 3 of 4 are >= 6 and all three positives are found.
+    assert tau == 2.0 and q.precision == pytest.approx(3 / 4) and q.recall == 1.0
+
+
+# -- policies ------------------------------------------------------------------------------
+
+def test_acceptance_model_inverts() -> None:
+    for y in (0.3, 2.0, 7.5):
+        assert expected_accepted(solve_alpha(y, 12), 12) == pytest.approx(y, abs=1e-6)
+    assert solve_alpha(0.0, 5) == 0.0 and solve_alpha(9.0, 5) == 1.0
+
+
+def test_cost_aware_policy_picks_the_higher_tokens_per_cost_source() -> None:
+    def cost(k: int) -> float:
+        return 1.0 + 0.05 * k  # CPU-like: long verifies cost little more
+
+    cache = Draft(tokens=list(range(12)), score=3.0, match_len=4, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+    for y_hat, want in ((10.0, "cache"), (0.2, "model")):
+        pol = CostAwarePolicy(constant_predictor(y_hat), cost, model_alpha=0.6)
+        choice = pol.choose(cache, 6, phi)
+        _, rc = best_length(solve_alpha(min(y_hat, 12), 12), 12, cost)
+        _, rm = best_length(pol.model_alpha, 6, cost)
+        assert choice.source == want == ("cache" if rc >= rm else "model")
+        assert choice.predicted == pytest.approx(y_hat)
+    # Expensive verification truncates a doubtful cache draft at its useful length.
+    pol = CostAwarePolicy(constant_predictor(1.5), lambda k: float(k), model_alpha=0.05)
+    choice = pol.choose(cache, 6, phi)
+    assert choice.source in ("cache", "none") and choice.length < 12
+    # The model's acceptance is learned from its verified steps.
+    pol = CostAwarePolicy(constant_predictor(0.0), cost, model_alpha=0.6)
+    for _ in range(30):
+        pol.update("model", 6, 0, 0.6)  # 0.1 s of drafting per token
+    assert pol.model_alpha < 0.2
+    # A rarely right, costly model draft loses to plain decoding.
+    assert pol.choose(Draft(), 6, phi).source == "none"
+
+
+def test_threshold_and_arctic_rules() -> None:
+    cache = Draft(tokens=[1, 2, 3, 4], score=4.0, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+    assert ThresholdPolicy(constant_predictor(7.0), tau=6.0).choose(cache, 5, phi).source == \
+        "cache"
+    assert ThresholdPolicy(constant_predictor(2.0), tau=6.0).choose(cache, 5, phi).source == \
+        "model"
+    rule = ArcticRule()
+    assert rule.choose(cache, 4, None).source == "cache"  # score 4 >= model length 4
+    assert rule.choose(cache, 5, None).source == "model"
+    assert rule.choose(Draft(), 5, None).source == "model"
+    with pytest.raises(ValueError, match="model_alpha"):
+        CostAwarePolicy(constant_predictor(1.0), float, model_alpha=1.0)
+
+
+# -- traces and training -------------------------------------------------------------------
+
+def _trace_set(n_sessions: int = 6) -> TraceSet:
+    traces = []
+    for i in range(n_sessions):
+        doc = [(7 * i + j) % 40 + 2 for j in range(30)]
+        traces.append(Trace(f"s{i}", "copy" if i % 2 else "edit", [
+            TraceTurn([0, *doc, 1], [*doc[:20], i % 5 + 50, *doc[21:]]),
+            TraceTurn([0, *doc[5:]], doc[10:]),
+        ]))
+    return TraceSet("tiny", TINY_VOCAB, "none", traces)
+
+
+def test_train_predictor_end_to_end_on_synthetic_traces(tmp_path: Path) -> None:
+    ts = _trace_set()
+    write_traces(ts, tmp_path / "t.jsonl")
+    back = read_traces(tmp_path / "t.jsonl", vocab_size=TINY_VOCAB)
+    assert back == ts
+    pred, report = train_predictor(back, TABLE, TrainConfig(epochs=40), progress=False)
+    assert report["rows"]["train"] > 0 and report["rows"]["validation"] > 0
+    assert set(report["validation"]) >= {"mae", "rmse", "precision", "recall", "tau"}
+    assert pred.meta["vocab_size"] == TINY_VOCAB
+    with pytest.raises(TraceError, match="at least 2 sessions"):
+        train_predictor(TraceSet("tiny", TINY_VOCAB, "none", ts.traces[:1]), TABLE)
+
+
+def test_bad_traces_are_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(TraceError, match="empty"):
+        read_traces(empty)
+    good = tmp_path / "good.jsonl"
+    write_traces(_trace_set(2), good)
+    with pytest.raises(TraceError, match="vocab_size=96"):
+        read_traces(good, vocab_size=49152)
+    header, *rows = good.read_text().splitlines()
+    h = json.loads(header)
+    h["tokenizer"] = "0123abcd"
+    (tmp_path / "tok.jsonl").write_text("\n".join([json.dumps(h), *rows]))
+    with pytest.raises(TraceError, match="0123abcd"):
+        read_traces(tmp_path / "tok.jsonl", vocab_size=96, tokenizer="ffff")
+    (tmp_path / "range.jsonl").write_text(header + "\n" + rows[0].replace("[0,", "[500,", 1))
+    with pytest.raises(TraceError, match="token id 500"):
+        read_traces(tmp_path / "range.jsonl")
+    (tmp_path / "none.jsonl").write_text(header + "\n")
+    with pytest.raises(TraceError, match="no output tokens"):
+        read_traces(tmp_path / "none.jsonl")
+
+
+def test_train_predictor_cli_help_and_refusal(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from agentspec.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train-predictor", "--help"])
+    assert done.value.code == 0 and "--traces" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["train-predictor", "--traces", str(empty), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "train-predictor: error" in err and "empty.jsonl" in err and "empty" in err

@@ -1,0 +1,287 @@
+"""The vLLM adapter's pure parts (no vLLM needed): request ids, the speculative-config
+mapping, counter arithmetic, and the proposer driven the way vLLM 0.32 drives it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adapters.vllm.proposer import AgentSpecProposer
+from adapters.vllm.request_ids import decode_request_id, encode_request_id
+from adapters.vllm.speculative import PROPOSER_CLASS, speculative_config
+from adapters.vllm.stats import SpecCounters, request_stats
+from agentspec.errors import AgentSpecError, ConfigError
+from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.types import SessionRef
+
+MAX_LEN = 512
+
+
+def _spec(method: str, **kw: Any) -> AgentSpec:
+    return AgentSpec(drafting=DraftingPolicy(method=method, **kw))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- request ids
+def test_request_id_round_trip_through_vllm_wrapping() -> None:
+    ref = SessionRef("run-42", tenant="acme", agent="coder")
+    rid = encode_request_id(ref, nonce="abc")
+    assert rid == "agentspec|acme|coder|run-42|abc"
+    # vLLM's OpenAI server prefixes, the engine appends a random suffix.
+    assert decode_request_id(f"chatcmpl-{rid}-1a2b3c4d") == ref
+    assert decode_request_id(encode_request_id(None)) is None
+    assert decode_request_id("cmpl-123") is None
+    assert decode_request_id("agentspec|bad tenant|a|s|n") is None
+
+
+def test_request_id_rejects_bad_nonce() -> None:
+    with pytest.raises(ConfigError, match=r"a\|b"):
+        encode_request_id(None, nonce="a|b")
+
+
+# --------------------------------------------------------------------------- mapping
+def test_speculative_config_mapping() -> None:
+    assert speculative_config(_spec("none")) is None
+    ngram = speculative_config(_spec("prompt_lookup", max_draft=10))
+    assert ngram is not None and ngram["method"] == "ngram"
+    assert ngram["num_speculative_tokens"] == 10
+    assert ngram["prompt_lookup_min"] <= ngram["prompt_lookup_max"]
+    suffix = speculative_config(_spec("suffix", max_draft=24))
+    assert suffix is not None and suffix["method"] == "suffix"
+    assert suffix["num_speculative_tokens"] == 24
+    custom = speculative_config(_spec("suffix", max_draft=24), proposer="agentspec")
+    assert custom == {"method": "custom_class", "model": PROPOSER_CLASS,
+                      "num_speculative_tokens": 24}
+
+
+@pytest.mark.parametrize(
+    ("spec", "proposer", "needle"),
+    [
+        (_spec("hybrid"), "vllm", "hybrid"),
+        (_spec("suffix"), "sglang", "sglang"),
+        (_spec("prompt_lookup"), "agentspec", "prompt_lookup"),
+        (_spec("model"), "vllm", "draft_model=None"),
+    ],
+)
+def test_speculative_config_misuse_names_the_value(
+    spec: AgentSpec, proposer: str, needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle) as info:
+        speculative_config(spec, proposer)
+    assert isinstance(info.value, AgentSpecError)
+
+
+@pytest.mark.parametrize(("arch", "method"), [("LlamaForCausalLMEagle3", "eagle3"),
+                                              ("LlamaForCausalLM", "draft_model")])
+def test_model_drafting_picks_eagle3_or_draft_model(
+    tmp_path: Path, arch: str, method: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    cfg = speculative_config(_spec("model", draft_model=str(tmp_path), max_draft=32))
+    assert cfg == {"method": method, "model": str(tmp_path), "num_speculative_tokens": 8}
+
+
+# --------------------------------------------------------------------------- counters
+def test_request_stats_from_counter_difference() -> None:
+    before = SpecCounters(10, 100, 40, (9, 7, 5))
+    # This request: 4 drafts of 8 tokens; accepted 0, 2, 3, 3 -> per_pos (3, 3, 2).
+    after = SpecCounters(14, 132, 48, (12, 10, 7))
+    stats = request_stats(after - before, prompt_tokens=50, generated=20, total_s=2.0,
+                          source="x")
+    # 20 tokens - 8 accepted = 12 steps: 8 without a draft + 1 miss, then 2, 3, 3.
+    assert stats.accepted_histogram() == {0: 9, 2: 1, 3: 2}
+    assert stats.forwards == 12 and stats.generated_tokens == 20
+    assert sum(s.committed for s in stats.steps) == 20
+    plain = request_stats(SpecCounters(), 50, 20, 1.0, "none")
+    assert plain.forwards == 20 and plain.mean_accepted_len == 1.0
+
+
+# --------------------------------------------------------------------------- proposer
+class _Batch:
+    def __init__(self) -> None:
+        self.req_ids: list[str] = []
+        self.num_prompt_tokens = np.zeros(4, dtype=np.int32)
+
+
+class FakeModelRunner:
+    """Builds the proposer from its ``__init__``, as vLLM's model runner does."""
+
+    def __init__(self, k: int = 8) -> None:
+        self.input_batch = _Batch()
+        config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                                 model_config=SimpleNamespace(max_model_len=MAX_LEN))
+        self.drafter = AgentSpecProposer(config)
+        self.rows = np.zeros((4, MAX_LEN), dtype=np.int32)
+        self.lens = np.zeros(4, dtype=np.int32)
+
+    def start(self, row: int, rid: str, prompt: list[int]) -> None:
+        while len(self.input_batch.req_ids) <= row:
+            self.input_batch.req_ids.append("")
+        self.input_batch.req_ids[row] = rid
+        self.input_batch.num_prompt_tokens[row] = len(prompt)
+        self.rows[row, : len(prompt)] = prompt
+        self.lens[row] = len(prompt)
+
+    def step(self, committed: dict[int, list[int]]) -> list[list[int]]:
+        """Commit tokens per row, then ask for drafts (rows absent: still prefilling)."""
+        sampled: list[list[int]] = []
+        for row in range(len(self.input_batch.req_ids)):
+            toks = committed.get(row, [])
+            n = int(self.lens[row])
+            self.rows[row, n : n + len(toks)] = toks
+            self.lens[row] = n + len(toks)
+            sampled.append(toks)
+        return self.drafter.propose(sampled, self.lens, self.rows)
+
+    def end(self) -> None:
+        self.input_batch.req_ids = []
+
+
+DOC = [int(t) for t in np.random.default_rng(0).integers(100, 400, size=40)]
+PROMPT = [1, 2, 3, *DOC[:10], 4]
+
+
+def test_proposer_finds_its_runner_and_learns_a_session() -> None:
+    runner = FakeModelRunner()
+    proposer = runner.drafter
+    assert proposer.runner is runner
+    ref = SessionRef("s1", tenant="t")
+    runner.start(0, encode_request_id(ref) + "-0000abcd", PROMPT)
+    out = DOC[10:]
+    for tok in out:
+        drafts = runner.step({0: [tok]})
+        assert len(drafts) == 1 and len(drafts[0]) <= 8
+    runner.end()
+    runner.start(0, encode_request_id(ref), PROMPT)  # next turn of the same session
+    first = runner.step({0: [out[0]]})
+    assert first[0] == out[1:9]  # drafted from the first turn, kept in the history
+    assert proposer.stats.finished == 1 and proposer.stats.sessions == {"t/default/s1"}
+
+
+def test_proposer_isolates_sessions_and_anonymous_requests() -> None:
+    runner = FakeModelRunner()
+    ref = SessionRef("s1", tenant="t")
+    runner.start(0, encode_request_id(ref), PROMPT)
+    for tok in DOC[10:]:
+        runner.step({0: [tok]})
+    runner.end()
+    for rid in (encode_request_id(SessionRef("s1", tenant="other")), "cmpl-anonymous"):
+        runner.start(0, rid, PROMPT)
+        assert runner.step({0: [DOC[10]]}) == [[]]  # nothing to copy from another tenant
+        runner.end()
+
+
+def test_proposer_batches_rows_and_skips_prefill_rows() -> None:
+    runner = FakeModelRunner(k=4)
+    runner.start(0, "a", PROMPT + PROMPT[:3])
+    runner.start(1, "b", PROMPT)
+    drafts = runner.step({0: [PROMPT[3]]})  # row 1 still prefilling: no sampled tokens
+    assert drafts[0] == PROMPT[4:8] and drafts[1] == []
+
+
+def test_proposer_gate_withholds_low_score_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTSPEC_VLLM_MIN_SCORE", "1000")
+    runner = FakeModelRunner()
+    runner.start(0, "a", PROMPT + PROMPT[:3])
+    assert runner.step({0: [PROMPT[3]]}) == [[]]
+    assert runner.drafter.stats.gated == 1
+
+
+def test_proposer_bad_env_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTSPEC_VLLM_MIN_SCORE", "lots")
+    with pytest.raises(ConfigError, match="lots"):
+        FakeModelRunner()
+
+
+def test_proposer_without_runner_tracks_rows_by_content() -> None:
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
+                             model_config=SimpleNamespace(max_model_len=MAX_LEN))
+    proposer = AgentSpecProposer(config, runner=object())
+    rows = np.zeros((1, MAX_LEN), dtype=np.int32)
+    seq = PROMPT + PROMPT[:3]
+    rows[0, : len(seq)] = seq
+    assert proposer.propose([[seq[-1]]], np.array([len(seq)]), rows) == [PROMPT[3:7]]
+    other = [9, 9, 9, 9, 9, 8]
+    rows[0, :] = 0
+    rows[0, : len(other)] = other
+    assert proposer.propose([[8]], np.array([len(other)]), rows) == [[]]  # a new request
+
+
+# --------------------------------------------------------------------------- serve CLI
+def test_serve_cli_parses_engine_arguments() -> None:
+    from adapters.vllm.serve import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--proposer", "vllm", "--drafting", "prompt_lookup", "--max-draft", "8",
+        "--tensor-parallel-size", "4", "--distributed-executor-backend", "ray",
+    ])
+    assert (args.proposer, args.drafting, args.max_draft) == ("vllm", "prompt_lookup", 8)
+    assert args.tensor_parallel_size == 4 and args.distributed_executor_backend == "ray"
+    assert args.host == "127.0.0.1"  # local-only unless keys are given
+
+
+def test_serve_cli_refuses_public_bind_without_keys(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adapters.vllm.serve import main
+
+    monkeypatch.delenv("AGENTSPEC_API_KEYS", raising=False)
+    assert main(["--host", "0.0.0.0"]) == 2  # before any engine starts
+    assert "0.0.0.0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- payoff gate
+def _constant_predictor(y: float) -> Any:
+    from agentspec.payoff.features import NUM_FEATURES
+    from agentspec.payoff.predictor import PayoffPredictor
+
+    return PayoffPredictor([0.0] * NUM_FEATURES, [1.0] * NUM_FEATURES,
+                           [([[0.0] * NUM_FEATURES], [y])])
+
+
+@pytest.mark.parametrize(("y_hat", "expected"), [(0.0, 0), (2.0, None), (100.0, 8)])
+def test_payoff_gate_cuts_drafts_to_their_useful_length(
+    y_hat: float, expected: int | None
+) -> None:
+    from adapters.vllm.payoff_gate import PayoffGate
+    from agentspec.payoff.features import TokenTable
+
+    runner = FakeModelRunner(k=8)
+    runner.drafter.gate = PayoffGate(_constant_predictor(y_hat), TokenTable.blank(1000))
+    runner.start(0, "a", PROMPT + PROMPT[:3])
+    (draft,) = runner.step({0: [PROMPT[3]]})
+    if expected is None:  # a middling prediction: a shorter, cost-effective draft
+        assert 0 < len(draft) < 8
+    else:
+        assert len(draft) == expected
+    assert draft == PROMPT[4 : 4 + len(draft)]
+    runner.step({0: PROMPT[4:6]})  # vLLM accepted one draft token, then sampled its own
+    assert runner.drafter.stats.accepted == min(len(draft), 1)
+
+
+def test_payoff_gate_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.vllm.payoff_gate import PayoffGate
+
+    assert PayoffGate.from_env(None) is None  # off by default
+    monkeypatch.setenv("AGENTSPEC_VLLM_PAYOFF", "always")
+    with pytest.raises(ConfigError, match="always"):
+        PayoffGate.from_env(None)
+
+
+def test_proposer_persists_sessions_in_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTSPEC_VLLM_STORE", str(tmp_path / "sessions.sqlite3"))
+    ref = SessionRef("s1", tenant="t")
+    first = FakeModelRunner()
+    first.start(0, encode_request_id(ref), PROMPT)
+    for tok in DOC[10:]:
+        first.step({0: [tok]})
+    first.drafter.finish_all()
+    second = FakeModelRunner()  # a restarted worker: the history comes from the store
+    second.start(0, encode_request_id(ref), PROMPT)
+    assert second.step({0: [DOC[10]]}) == [DOC[11:19]]
