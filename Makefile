@@ -46,17 +46,18 @@ test: venv lint
 	$(PY) -m pytest tests -q
 	$(MAKE) test-vllm
 
-# Reproduces BENCHMARKS.md (about 30 minutes on 2 quiet cores; `make bench-quick`: about 5):
-# the DELEGATE-52 relay (5 domains x 4 turns), the agent workloads (tool agent, EditEval,
-# open chat) and the sampling verifiers, each method side by side with greedy in one run.
+# Reproduces BENCHMARKS.md on 2 quiet cores: the DELEGATE-52 relay (5 domains x 4 turns) and
+# EditEval with the cache drafters and ASD budgets (~25 min), the tool agent and open chat
+# with every drafter (~10 min), the sampling verifiers (~3 min); every method side by side
+# with greedy in one run. `make bench-quick`: every workload, 2 sessions x 2 turns (~5 min).
 RELAY_METHODS := greedy,suffix,arctic_suffix,oracle,hybrid,asd_b1,asd_b4
-AGENT_METHODS := greedy,hf_prompt_lookup,prompt_lookup,suffix,arctic_suffix,model,arctic_rule,hybrid,asd_b1
+AGENT_METHODS := greedy,hf_prompt_lookup,prompt_lookup,suffix,arctic_suffix,model,arctic_rule,hybrid
 bench: venv
-	$(VENV)/bin/agentspec bench --workloads delegate52 --methods $(RELAY_METHODS) \
+	$(VENV)/bin/agentspec bench --workloads delegate52,editeval --methods $(RELAY_METHODS) \
 		--limit 5 --turns 4 --max-draft 32 --out results/relay.json
 	$(VENV)/bin/agentspec report results/relay.json
-	$(VENV)/bin/agentspec bench --workloads tool_agent,editeval,chat --methods $(AGENT_METHODS) \
-		--limit 2 --turns 2 --max-draft 32 --out results/agents.json
+	$(VENV)/bin/agentspec bench --workloads tool_agent,chat --methods $(AGENT_METHODS) \
+		--limit 3 --turns 2 --max-draft 32 --out results/agents.json
 	$(VENV)/bin/agentspec report results/agents.json
 	$(PY) -m workflows.bench_verifiers --prompts 4 --seeds 2 --out results/verifiers.json
 

@@ -92,12 +92,15 @@ class _StopChecker:
         self.eos, self.stop, self.decode, self.max_tokens = eos, list(stop), decode, max_tokens
 
     def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
-        """Return the part of ``block`` to keep and the finish reason if the request ends."""
-        room = self.max_tokens - len(generated)
-        for i, tok in enumerate(block[:room]):
-            if tok in self.eos:
-                return block[: i + 1], "stop"
-        kept = block[:room]
+        """Return the part of ``block`` to keep and the finish reason if the request ends.
+
+        The earliest end wins: a stop string completed by a token before an EOS in the same
+        block ends the output there, exactly as token-by-token decoding would.
+        """
+        kept = block[: self.max_tokens - len(generated)]
+        eos_at = next((i for i, tok in enumerate(kept) if tok in self.eos), None)
+        if eos_at is not None:
+            kept = kept[: eos_at + 1]
         if self.stop and self.decode is not None and kept:
             text = self.decode(generated + kept)
             if any(s in text for s in self.stop):
@@ -106,6 +109,8 @@ class _StopChecker:
                     t = self.decode(generated + kept[: i + 1])
                     if any(s in t for s in self.stop):
                         return kept[: i + 1], "stop"
+        if eos_at is not None:
+            return kept, "stop"
         if len(generated) + len(kept) >= self.max_tokens:
             return kept, "length"
         return kept, None

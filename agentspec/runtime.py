@@ -59,6 +59,29 @@ class ChatResult:
     tokens: list[int] = field(default_factory=list)
 
 
+    @classmethod
+    def build(
+        cls,
+        text: str,
+        tools: Sequence[dict[str, Any]] | None,
+        finish_reason: str,
+        prompt_tokens: int,
+        tokens: list[int],
+        stats: RequestStats,
+    ) -> ChatResult:
+        """Parse ``text`` (the whole answer, forced prefix included) into a result.
+
+        Tool calls are parsed against the bound tools' names; an answer that stopped on
+        its own with a well-formed call finishes with ``tool_calls``.
+        """
+        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
+        finish = finish_reason
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
+                   prompt_tokens, len(tokens), stats, tokens)
+
+
 def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
     """Assistant text that forces a tool call (``""`` when nothing is forced).
 
@@ -229,15 +252,9 @@ class Runtime:
             done: list[Generation] = []
             yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done)
         gen = done[0]
-        text = prefix + gen.text
-        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
-        finish = gen.finish_reason
-        if parsed.tool_calls and finish == "stop":
-            finish = "tool_calls"
         if result is not None:
-            result.append(ChatResult(
-                text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
-                len(prompt), len(gen.tokens), gen.stats, gen.tokens,
+            result.append(ChatResult.build(
+                prefix + gen.text, tools, gen.finish_reason, len(prompt), gen.tokens, gen.stats
             ))
 
     def chat(

@@ -63,3 +63,26 @@ def embedded_target():  # type: ignore[no-untyped-def]
 def char_decode() -> CharDecoder:
     """Decode function for the tiny model."""
     return CharDecoder()
+
+
+@pytest.fixture(scope="module")
+def one_thread():  # type: ignore[no-untyped-def]
+    """Run a module's tests with one torch thread: on tiny matrices a second thread only
+    adds synchronisation (10x slower on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def noisy_copy(model: torch.nn.Module, seed: int, scale: float = 0.05) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise on every weight: a close but imperfect
+    drafter (right most of the time) for model-drafter tests."""
+    import copy
+
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in out.parameters():
+            prm.add_(scale * torch.randn(prm.shape, generator=gen))
+    return out

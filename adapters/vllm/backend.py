@@ -36,7 +36,6 @@ from agentspec.chat import render_prompt
 from agentspec.errors import ConfigError
 from agentspec.runtime import ChatResult, ToolChoice, forced_prefix
 from agentspec.spec import AgentSpec
-from agentspec.tool_calls import parse_tool_calls, tool_names
 from agentspec.types import SamplingParams, SessionRef
 
 log = logging.getLogger(__name__)
@@ -291,16 +290,11 @@ class VLLMRuntime:
             seconds = time.perf_counter() - start
             delta = self.counters() - before
         tokens = [int(t) for t in final.token_ids]
-        text = prefix + str(final.text)
         stats = request_stats(delta, len(prompt), len(tokens), seconds, self._source())
-        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
         finish = "length" if final.finish_reason == "length" else "stop"
-        if parsed.tool_calls and finish == "stop":
-            finish = "tool_calls"
         if result is not None:
-            result.append(ChatResult(
-                text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
-                len(prompt), len(tokens), stats, tokens,
+            result.append(ChatResult.build(
+                prefix + str(final.text), tools, finish, len(prompt), tokens, stats
             ))
 
     def chat(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
@@ -57,9 +58,9 @@ class HybridDrafter:
         name: str = "hybrid",
     ) -> None:
         if model_max < 1:
-            raise ValueError(f"model_max must be >= 1, got {model_max!r}")
+            raise ConfigError(f"model_max must be >= 1, got {model_max!r}")
         if policy.needs_features and table is None:
-            raise ValueError(f"policy {policy.name!r} needs features: pass a TokenTable")
+            raise ConfigError(f"policy {policy.name!r} needs features: pass a TokenTable")
         self.cache = cache
         self.model = model
         self.policy = policy

@@ -14,7 +14,7 @@ from typing import Any
 
 from agentspec.drafters.hybrid import HybridDrafter
 from agentspec.drafters.session_cache import SuffixDrafter
-from agentspec.errors import AgentSpecError
+from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.interfaces import Drafter
 from agentspec.payoff.features import TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
@@ -111,7 +111,7 @@ def make_policy(name: str, target: Any, predictor: PayoffPredictor | None = None
     if name == "arctic_rule":
         return ArcticRule()
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     pred = predictor or load_predictor(target)
     if name == "threshold":
         return ThresholdPolicy(pred)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from agentspec.errors import ConfigError
 from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.types import Draft
 
@@ -185,7 +186,7 @@ class CostAwarePolicy:
         decay: float = 0.98,
     ) -> None:
         if not 0.0 < model_alpha < 1.0:
-            raise ValueError(f"model_alpha must be in (0, 1), got {model_alpha!r}")
+            raise ConfigError(f"model_alpha must be in (0, 1), got {model_alpha!r}")
         self.predictor = predictor
         self.cost = _memo(cost)
         # Read c(k) now: a target measures its cost curve on first use (seconds), which

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
+from agentspec.errors import ConfigError
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.traces import Trace
 from agentspec.types import DraftContext, SessionRef
@@ -124,7 +125,7 @@ def split_sessions(
         ValueError: ``val_fraction`` outside (0, 1).
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     rng = random.Random(seed)
     by_wl: dict[str, list[str]] = {}
     for t in traces:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentspec.errors import ConfigError
 from agentspec.payoff.features import FEATURE_NAMES, TokenTable
 from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.payoff.replay import (
@@ -53,10 +54,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         for name in ("max_draft", "hidden", "epochs", "folds"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 def _rows(samples: Sequence[Sample]) -> tuple[list[list[float]], list[int]]:

@@ -27,13 +27,7 @@ from agentspec.verifiers.budgeted import asd_accept
 from tests.conftest import TINY_VOCAB
 from tests.unit.test_engine_lossless import DRAFTS, ScriptedDrafter, _random, hf_greedy
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference_asd(

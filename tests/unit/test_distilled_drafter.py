@@ -30,12 +30,7 @@ CFG = TrainDrafterConfig(num_layers=1, rank=4, head_rank=4, draft_vocab=64, top_
                          batch_size=4, lr=1e-2, steps=40, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _teacher(model: torch.nn.Module, tokens: list[int], start: int) -> TeacherSeq:

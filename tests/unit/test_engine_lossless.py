@@ -183,3 +183,30 @@ def test_max_tokens_one(tiny_model, tiny_target) -> None:  # type: ignore[no-unt
     got = SpeculativeDecoder(tiny_target, drafter).generate([4, 5], max_tokens=1)
     assert got.tokens == ref
     assert drafter.calls == 0  # no room for a draft: the verifier's own token is the one
+
+
+def test_stop_string_before_eos_in_one_block(tiny_model, tiny_target, char_decode) -> None:  # type: ignore[no-untyped-def]
+    # A draft can carry a stop string and, a few tokens later, EOS: the stop string comes
+    # first, so the output ends there (found by the DELEGATE-52 relay: a closing fence
+    # followed by more text and EOS inside one accepted block).
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(30):
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randint(1, 20))]
+        ref = hf_greedy(tiny_model, prompt, 60, None)
+        text = char_decode(ref)
+        start = rng.randrange(5, 30)
+        stop = text[start : start + 2]
+        cut = next(i + 1 for i in range(len(ref)) if stop in char_decode(ref[: i + 1]))
+        later = [t for t in ref[cut + 1 : cut + 6] if t not in ref[:cut]]
+        if not later:
+            continue
+        eos = later[0]  # an EOS id that first occurs a few tokens after the stop string
+        engine = SpeculativeDecoder(
+            tiny_target, ScriptedDrafter(_right, ref), decode=char_decode,
+            eos_token_ids=[eos], config=EngineConfig(max_draft=16),
+        )
+        got = engine.generate(prompt, max_tokens=60, stop=[stop])
+        assert got.tokens == ref[:cut] and got.finish_reason == "stop"
+        checked += 1
+    assert checked >= 10

@@ -4,11 +4,9 @@ failing clearly without a trained drafter."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
-import torch
 
 from agentspec.drafters.hybrid import HybridDrafter
 from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
@@ -18,29 +16,19 @@ from agentspec.payoff.features import NUM_FEATURES, TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
 from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
-from tests.conftest import TINY_VOCAB, CharDecoder
+from tests.conftest import TINY_VOCAB, CharDecoder, noisy_copy
 from tests.unit.test_engine_lossless import hf_greedy
 
 EOS = 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_model):  # type: ignore[no-untyped-def]
     """The tiny model with noisy weights: a model drafter that is often right."""
-    out = copy.deepcopy(tiny_model)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for prm in out.parameters():
-            prm.add_(0.05 * torch.randn(prm.shape, generator=gen))
-    return out
+    return noisy_copy(tiny_model, seed=5)
 
 
 def _predictor(value: float, tau: float) -> PayoffPredictor:

@@ -3,8 +3,6 @@ drafts in one batched pass, and the target's batched scoring for multi-draft dec
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -15,27 +13,16 @@ from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.sampling import process_logits
 from agentspec.types import DraftContext, SamplingParams
 from agentspec.verifiers import BlockVerifier
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, noisy_copy
 from tests.unit.test_engine_lossless import hf_greedy
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def draft_model(tiny_model):  # type: ignore[no-untyped-def]
     """The tiny model with noisy weights: a drafter that is right most of the time."""
-    out = copy.deepcopy(tiny_model)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for prm in out.parameters():
-            prm.add_(0.05 * torch.randn(prm.shape, generator=gen))
-    return out
+    return noisy_copy(tiny_model, seed=3)
 
 
 def _next_dist(model: torch.nn.Module, tokens: list[int], sp: SamplingParams) -> torch.Tensor:

@@ -11,7 +11,6 @@ tiny random Llama against the model's exact distribution.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable
 
@@ -32,17 +31,12 @@ from agentspec.verifiers import (
 from agentspec.verifiers.block import block_accept
 from agentspec.verifiers.multi_draft import multi_draft_accept
 from agentspec.verifiers.rejection import rejection_accept
+from tests.conftest import noisy_copy
 
 N_TRIALS = 200_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # type: ignore[no-untyped-def]
-    # Tiny matrices: a second thread only adds synchronisation (10x slower on a busy box).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TreeLM:
@@ -270,16 +264,6 @@ def exact_law(model: torch.nn.Module, length: int) -> dict[tuple[int, ...], floa
     return law
 
 
-def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    """A drafter close to (but not equal to) the target."""
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for prm in out.parameters():
-            prm.add_(scale * torch.randn(prm.shape, generator=gen))
-    return out
-
-
 class FixedDrafter:
     """Deterministic drafts (probs=None): always proposes the same tokens."""
 
@@ -316,7 +300,7 @@ def _engine(kind: str, tiny_target, drafter_model):  # type: ignore[no-untyped-d
 @pytest.fixture(scope="module")
 def drafter_model(tiny_model):  # type: ignore[no-untyped-def]
     """The tiny model with noise on its weights: a close but imperfect drafter."""
-    return noisy_copy(tiny_model, 0.05, seed=1)
+    return noisy_copy(tiny_model, seed=1)
 
 
 @pytest.mark.parametrize("kind", ["rejection", "block", "block_point_mass", "multi_draft"])
