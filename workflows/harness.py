@@ -128,11 +128,24 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _first_divergence(reference: list[int] | None, tokens: list[int]) -> int | None:
+    """Index of the first token that differs from greedy's (``None``: identical or no
+    reference); a prefix of the other differs at the shorter length."""
+    if reference is None or reference == tokens:
+        return None
+    pairs = zip(reference, tokens, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(reference), len(tokens)))
+
+
 def _aggregate(
     workload: str, method: str, turns: list[dict[str, Any]], stats: RequestStats
 ) -> dict[str, Any]:
     tokens = stats.generated_tokens
     seconds = stats.total_s
+    # Divergence from greedy (approximate methods): tokens from the first differing one on.
+    diverged = sum(t["tokens"] - t["first_divergence"] for t in turns
+                   if t.get("first_divergence") is not None)
+    passed = [t["metrics"]["tests_passed"] for t in turns if "tests_passed" in t["metrics"]]
     return {
         "workload": workload,
         "method": method,
@@ -144,6 +157,12 @@ def _aggregate(
         "mean_accepted_len": round(stats.mean_accepted_len, 3) if stats.forwards else None,
         "forwards_per_1k": round(stats.forwards_per_1k, 1) if stats.forwards else None,
         "identical_to_greedy": all(t["identical_to_greedy"] for t in turns),
+        "identical_turns": sum(bool(t["identical_to_greedy"]) for t in turns),
+        "diverged_token_share": round(diverged / tokens, 4) if tokens else 0.0,
+        "exceptions": stats.exceptions,
+        "exceptions_per_1k": round(1000 * stats.exceptions / tokens, 2) if tokens else 0.0,
+        "regret": round(stats.regret, 4),
+        "tests_passed": f"{sum(passed)}/{len(passed)}" if passed else None,
         "accepted_histogram": {str(k): v for k, v in stats.accepted_histogram().items()},
         "drafter_wins": stats.drafter_wins(),
         "time_split_s": {
@@ -208,6 +227,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                         "tokens_per_s": round(out.stats.tokens_per_s, 3),
                         "mean_accepted_len": round(out.stats.mean_accepted_len, 3),
                         "identical_to_greedy": reference.get(key) == out.tokens,
+                        "first_divergence": _first_divergence(reference.get(key), out.tokens),
+                        "exceptions": out.stats.exceptions,
                         "loop_share": round(loop_share(out.tokens), 4),
                         "metrics": sess.turn_metrics(req, text),
                     }

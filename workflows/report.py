@@ -44,6 +44,10 @@ def _yes_no(value: Any) -> str:
     return MISSING if not isinstance(value, bool) else ("yes" if value else "no")
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) and value else MISSING
+
+
 # (header, results key, renderer) in table order.
 COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("tokens/s", "tokens_per_s", _fmt(".1f")),
@@ -54,6 +58,9 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("loop share", "loop_share", _fmt(".1%")),
     ("speed-up loop-free", "speedup_loop_free", _fmt(".2f", "×")),
     ("oracle fraction", "oracle_fraction", _fmt(".0%")),
+    ("exceptions/1k", "exceptions_per_1k", _fmt(".2f")),
+    ("diverged", "diverged_token_share", _fmt(".0%")),
+    ("tests passed", "tests_passed", _text),
 )
 
 
