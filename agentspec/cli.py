@@ -49,7 +49,8 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
                         "the file fence; default) or 'template' (the benchmark's own template, "
                         "which the 135M model does not follow)")
     p.add_argument("--quick", action="store_true",
-                   help="at most 2 sessions x 2 turns per workload (a few minutes)")
+                   help="at most 2 sessions x 2 turns per workload, 160 tokens per answer "
+                        "(about 5 minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 

@@ -7,6 +7,7 @@ first: its outputs are the reference for ``identical_to_greedy`` and the oracle'
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -41,6 +42,9 @@ WORKLOADS: dict[str, str] = {
 }
 
 
+QUICK_MAX_TOKENS = 160  # per-request cap under --quick
+
+
 @dataclass
 class BenchConfig:
     """What to run.
@@ -56,7 +60,8 @@ class BenchConfig:
         max_draft: Longest draft per verification.
         data_dir: Data folder for the workloads that read files.
         progress: Show progress bars.
-        quick: At most 2 sessions of 2 turns per workload (a few minutes in all).
+        quick: At most 2 sessions of 2 turns per workload and at most
+            :data:`QUICK_MAX_TOKENS` tokens per request (about 5 minutes in all).
         relay_prompt: DELEGATE-52 prompt style, ``"compact"`` or ``"template"``.
     """
 
@@ -211,6 +216,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                 turn = 0
                 while (req := sess.next_request(last)) is not None:
                     turn += 1
+                    if cfg.quick and req.max_tokens > QUICK_MAX_TOKENS:
+                        req = dataclasses.replace(req, max_tokens=QUICK_MAX_TOKENS)
                     prompt = render_prompt(target.tokenizer, req.messages, req.tools)
                     if req.prefix:
                         prompt += target.tokenizer.encode(req.prefix, add_special_tokens=False)
