@@ -39,7 +39,8 @@ def run(methods: list[str], limit: int, turns: int, max_draft: int) -> dict[str,
     totals = {m: RequestStats() for m in methods}
     per_turn: list[dict[str, Any]] = []
     sessions = list(load_workload("delegate52", None).sessions(limit, turns))
-    bar = tqdm(total=sum(s.turns for s in sessions), desc="relay A/B", file=sys.stderr)
+    total = sum(getattr(s, "turns", turns) for s in sessions)
+    bar = tqdm(total=total, desc="relay A/B", file=sys.stderr)
     step = 0
     for sess in sessions:
         last: str | None = None
@@ -52,12 +53,12 @@ def run(methods: list[str], limit: int, turns: int, max_draft: int) -> dict[str,
                 ref = SessionRef(sess.session_id, tenant=f"ab-{method.name}")
                 outs[method.name] = method.run(prompt, req, ref)
                 totals[method.name].merge(outs[method.name].stats)
-            a, b = (outs[m] for m in methods)
-            if a.tokens != b.tokens:
+            first, second = (outs[m] for m in methods)
+            if first.tokens != second.tokens:
                 raise BenchmarkError(f"{methods} disagree on {sess.session_id} turn {step}")
-            per_turn.append({"session_id": sess.session_id, "tokens": len(a.tokens),
+            per_turn.append({"session_id": sess.session_id, "tokens": len(first.tokens),
                              **{f"{m}_s": round(outs[m].stats.total_s, 4) for m in methods}})
-            last = req.prefix + a.text
+            last = req.prefix + first.text
             step += 1
             bar.update(1)
     bar.close()
