@@ -82,6 +82,34 @@ class ChatResult:
                    prompt_tokens, len(tokens), stats, tokens)
 
 
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: ToolChoice = None,
+    assistant_prefix: str = "",
+) -> tuple[list[int], str]:
+    """Rendered prompt token ids and the text that opens the assistant turn.
+
+    Args:
+        tokenizer: The model's tokenizer (chat template).
+        messages: Chat messages.
+        tools: Tool schemas rendered into the prompt (not with ``tool_choice="none"``).
+        tool_choice: Forces a tool call by writing its opening into the answer.
+        assistant_prefix: Text the caller puts at the start of the answer (e.g. a file's
+            opening fence), before any forced tool call.
+
+    Returns:
+        ``(ids, prefix)``: the prompt with the prefix's tokens appended, and the prefix.
+    """
+    use_tools = None if tool_choice == "none" else tools
+    ids = render_prompt(tokenizer, messages, use_tools)
+    prefix = assistant_prefix + forced_prefix(tool_choice, tools)
+    if prefix:
+        ids = ids + list(tokenizer.encode(prefix, add_special_tokens=False))
+    return ids, prefix
+
+
 def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
     """Assistant text that forces a tool call (``""`` when nothing is forced).
 
@@ -214,12 +242,7 @@ class Runtime:
         tool_choice: ToolChoice = None,
     ) -> tuple[list[int], str]:
         """Rendered prompt token ids and the forced assistant prefix (if any)."""
-        use_tools = None if tool_choice == "none" else tools
-        ids = render_prompt(self.tokenizer, messages, use_tools)
-        prefix = forced_prefix(tool_choice, tools)
-        if prefix:
-            ids = ids + list(self.tokenizer.encode(prefix, add_special_tokens=False))
-        return ids, prefix
+        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice)
 
     def stream_chat(
         self,

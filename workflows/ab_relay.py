@@ -19,7 +19,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from agentspec.chat import render_prompt
 from agentspec.engine import EngineConfig
 from agentspec.errors import BenchmarkError
 from agentspec.targets.hf import HFTarget, TargetConfig
@@ -45,8 +44,7 @@ def run(methods: list[str], limit: int, turns: int, max_draft: int) -> dict[str,
     for sess in sessions:
         last: str | None = None
         while (req := sess.next_request(last)) is not None:
-            prompt = render_prompt(target.tokenizer, req.messages, req.tools)
-            prompt += target.tokenizer.encode(req.prefix, add_special_tokens=False)
+            prompt = req.prompt_ids(target.tokenizer)
             order = built if step % 2 == 0 else built[::-1]
             outs = {}
             for method in order:

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentspec.runtime import chat_prompt_ids
+
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
 
@@ -35,6 +37,10 @@ class Request:
     tools: list[dict[str, Any]] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     prefix: str = ""
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """The rendered prompt: chat template, tools, then the assistant prefix's tokens."""
+        return chat_prompt_ids(tokenizer, self.messages, self.tools, None, self.prefix)[0]
 
 
 class Session(Protocol):

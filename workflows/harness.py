@@ -218,9 +218,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                     turn += 1
                     if cfg.quick and req.max_tokens > QUICK_MAX_TOKENS:
                         req = dataclasses.replace(req, max_tokens=QUICK_MAX_TOKENS)
-                    prompt = render_prompt(target.tokenizer, req.messages, req.tools)
-                    if req.prefix:
-                        prompt += target.tokenizer.encode(req.prefix, add_special_tokens=False)
+                    prompt = req.prompt_ids(target.tokenizer)
                     out = method.run(prompt, req, ref)
                     text = req.prefix + out.text
                     key = (sess.session_id, turn)

@@ -32,9 +32,8 @@ from adapters.vllm.proposer import ENV_SCOPE
 from adapters.vllm.request_ids import encode_request_id
 from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
-from agentspec.chat import render_prompt
 from agentspec.errors import ConfigError
-from agentspec.runtime import ChatResult, ToolChoice, forced_prefix
+from agentspec.runtime import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.spec import AgentSpec
 from agentspec.types import SamplingParams, SessionRef
 
@@ -189,12 +188,7 @@ class VLLMRuntime:
         As ``Runtime.prompt_ids``, plus ``assistant_prefix`` (text the caller puts at the
         start of the answer, e.g. a file's opening fence) before any forced tool call.
         """
-        use_tools = None if tool_choice == "none" else tools
-        ids = render_prompt(self.tokenizer, messages, use_tools)
-        prefix = assistant_prefix + forced_prefix(tool_choice, tools)
-        if prefix:
-            ids = ids + list(self.tokenizer.encode(prefix, add_special_tokens=False))
-        return ids, prefix
+        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix)
 
     def counters(self) -> SpecCounters:
         """vLLM's spec-decode counters now."""

@@ -224,9 +224,9 @@ def generate_traces(target: Any, spec: TraceSpec, progress: bool = True) -> Trac
     """
     from tqdm import tqdm
 
-    from agentspec.chat import render_prompt
     from agentspec.drafters import SuffixDrafter
     from agentspec.engine import SpeculativeDecoder
+    from agentspec.runtime import chat_prompt_ids
     from agentspec.types import SessionRef
     from workflows.harness import load_workload
 
@@ -249,11 +249,9 @@ def generate_traces(target: Any, spec: TraceSpec, progress: bool = True) -> Trac
         trace = Trace(sess.session_id, wl_name)
         last: str | None = None
         while total < spec.max_total_tokens and (req := sess.next_request(last)) is not None:
-            prompt = render_prompt(tok, req.messages, req.tools)
             # As the harness does: a request may open the assistant turn (e.g. a fence).
             prefix = str(getattr(req, "prefix", "") or "")
-            if prefix:
-                prompt += tok.encode(prefix, add_special_tokens=False)
+            prompt, _ = chat_prompt_ids(tok, req.messages, req.tools, None, prefix)
             budget = min(req.max_tokens, spec.max_tokens)
             gen = engine.generate(prompt, budget, req.stop, session=ref)
             trace.turns.append(TraceTurn(list(prompt), list(gen.tokens)))
