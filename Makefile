@@ -50,7 +50,7 @@ test: venv lint
 # EditEval with the cache drafters and ASD budgets (~25 min), the tool agent and open chat
 # with every drafter (~10 min), the sampling verifiers (~3 min); every method side by side
 # with greedy in one run. `make bench-quick`: every workload, 2 sessions x 2 turns (~5 min).
-RELAY_METHODS := greedy,suffix,arctic_suffix,oracle,hybrid,asd_b1,asd_b4
+RELAY_METHODS := greedy,suffix,arctic_suffix,oracle,arctic_rule,hybrid,asd_b1,asd_b4
 AGENT_METHODS := greedy,hf_prompt_lookup,prompt_lookup,suffix,arctic_suffix,model,arctic_rule,hybrid
 bench: venv
 	$(VENV)/bin/agentspec bench --workloads delegate52,editeval --methods $(RELAY_METHODS) \
@@ -59,6 +59,7 @@ bench: venv
 	$(VENV)/bin/agentspec bench --workloads tool_agent,chat --methods $(AGENT_METHODS) \
 		--limit 3 --turns 2 --max-draft 32 --out results/agents.json
 	$(VENV)/bin/agentspec report results/agents.json
+	$(PY) -m workflows.mixed results/relay.json results/agents.json --out results/mixed.json
 	$(PY) -m workflows.bench_verifiers --prompts 4 --seeds 2 --out results/verifiers.json
 
 bench-quick: venv
@@ -100,12 +101,12 @@ test-vllm: venv vllm-env
 	$(PY) -c "from agentspec.models import resolve_model; resolve_model()"
 	$(VLLM_PY) -m pytest tests/vllm_backend -q -rs
 
-# The distilled model drafter (issue 6). The package ships one for the embedded model
-# (agentspec/data/drafters/); this retrains it into $(AGENTSPEC_HOME)/drafters, which
-# load_default_drafter prefers (about 5 minutes on 2 cores).
+# The HVD model drafter (issue 6): the EAGLE head on the target's hidden states. The package
+# ships one for the embedded model (agentspec/data/drafters/); this retrains it into
+# $(AGENTSPEC_HOME)/drafters, which load_model_drafter prefers (18 minutes on 2 cores).
 .PHONY: drafter
 drafter: venv
-	$(VENV)/bin/agentspec train-drafter --minutes 5 $(if $(wildcard ../shared/data),--data ../shared/data,)
+	$(VENV)/bin/agentspec train-drafter --kind eagle --minutes 18 $(if $(wildcard ../shared/data),--data ../shared/data,)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agentspec.errors import ConfigError, DraftError, PromptTooLongError
-from agentspec.interfaces import Drafter, Target, Verifier
+from agentspec.interfaces import Drafter, FeatureDrafter, FeatureTarget, Target, Verifier
 from agentspec.types import (
     Draft,
     DraftContext,
@@ -253,6 +253,9 @@ class SpeculativeDecoder:
         # Prefill everything but the last prompt token: it is the first `pending` token,
         # so the very first step can already verify a draft.
         self.target.prefill(list(prompt[:-1]))
+        link = self._feature_link()
+        if link is not None:
+            link[0](0, link[1]())
         stats.prefill_s = time.perf_counter() - t_start
         context = list(prompt)
         generated: list[int] = []
@@ -270,6 +273,9 @@ class SpeculativeDecoder:
                 result = self.verifier.verify(draft, logits, sampling, rng)
                 # Keep pending + accepted tokens in the cache, drop the rejected rest.
                 self.target.rollback(len(draft.tokens) - result.num_accepted)
+            if link is not None:  # pending + accepted rows: the positions now committed
+                rows = link[1]()  # [k+1, H]
+                link[0](len(context) - 1, rows[: result.num_accepted + 1])
             t2 = time.perf_counter()
             if self.drafter is not None:
                 self.drafter.observe(ctx, result)
@@ -309,6 +315,17 @@ class SpeculativeDecoder:
                 f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
                 f"context window of {limit} positions"
             )
+
+    def _feature_link(
+        self,
+    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], torch.Tensor]] | None:
+        """``(drafter.observe_features, target.last_features)`` when the drafter wants the
+        target's hidden states and the target can give them (checked once per request)."""
+        drafter, target = self.drafter, self.target
+        if (isinstance(drafter, FeatureDrafter) and drafter.wants_features
+                and isinstance(target, FeatureTarget)):
+            return drafter.observe_features, target.last_features
+        return None
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         if self.drafter is None or max_tokens < self.config.min_draft:

@@ -80,3 +80,35 @@ class Verifier(Protocol):
     ) -> VerifyResult:
         """Accept a prefix (or tree path) of the draft plus one target-chosen token."""
         ...
+
+
+@runtime_checkable
+class FeatureTarget(Protocol):
+    """A target that exposes its final hidden states (the features an EAGLE-style head
+    drafts from). Optional: the engine feeds features only when both sides support them."""
+
+    def last_features(self) -> torch.Tensor:
+        """The final-norm hidden states ``[n, H]`` of the positions fed by the latest
+        :meth:`Target.prefill` / :meth:`Target.score` (the kept row after a batch)."""
+        ...
+
+
+@runtime_checkable
+class FeatureDrafter(Protocol):
+    """A drafter that drafts from the target's hidden states.
+
+    Drafters still never see logits; they see the target's features of *committed*
+    positions only, in order: after the prefill the rows of positions ``0..n-2`` (all of
+    the prompt but its last token, which is the first pending token), after each step the
+    rows of ``pending`` and the accepted draft tokens.
+    """
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether the engine should fetch and pass features (False skips the copy)."""
+        ...
+
+    def observe_features(self, start: int, features: torch.Tensor) -> None:
+        """Feature rows ``[m, H]`` of the committed positions ``start .. start+m-1``.
+        ``start == 0`` begins a new request."""
+        ...

@@ -10,7 +10,9 @@ The returned :class:`~agentspec.types.Draft` keeps the winning sub-drafter's ``s
 so the engine's per-step records (``StepStats.source`` / ``drafter_wins``) show which
 source won each step. ``observe`` / ``finish`` / ``begin_request`` go to *both*
 sub-drafters every step, whichever won: the cache indexes every committed token and the
-model drafter re-syncs its KV cache from the context, so neither falls out of step.
+model drafter re-syncs its KV cache from the context, so neither falls out of step. An
+EAGLE model drafter also receives the target's features of every committed position
+(``observe_features``), whichever source won.
 
 Verification is untouched, so HVD is exactly as lossless as the verifier it runs under.
 """
@@ -21,7 +23,7 @@ import time
 from typing import Any
 
 from agentspec.errors import ConfigError
-from agentspec.interfaces import Drafter
+from agentspec.interfaces import Drafter, FeatureDrafter
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -116,6 +118,17 @@ class HybridDrafter:
         self.model.finish(ctx)
         self._recent.clear()
         self._pending = None
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether the model drafter drafts from the target's hidden states (EAGLE)."""
+        return isinstance(self.model, FeatureDrafter) and self.model.wants_features
+
+    def observe_features(self, start: int, features: Any) -> None:
+        """Forward the target's features to the model drafter every step, whichever source
+        won, so its head's cache stays in step with the committed tokens."""
+        if isinstance(self.model, FeatureDrafter):
+            self.model.observe_features(start, features)
 
     def begin_request(self, session: SessionRef | None, rng: Any) -> None:
         """Forward the engine's request start to the sub-drafters that take it."""

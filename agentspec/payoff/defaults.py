@@ -70,24 +70,30 @@ def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
 
 def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 6) -> Drafter:
     """The model drafter: ``model`` (a causal LM folder / embedded name) when given, else
-    the distilled drafter trained for ``target`` (``agentspec.drafters.distilled``).
+    the trained EAGLE head for ``target`` (``agentspec.drafters.eagle``), else the
+    distilled drafter (``agentspec.drafters.distilled``).
 
     Raises:
-        DrafterUnavailableError: no distilled drafter in this build, or its artifact is
-            missing (the message says how to build it).
+        DrafterUnavailableError: no EAGLE head and no distilled drafter for this target
+            (the message says how to build one).
     """
     if model is not None:
         from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
 
         return ModelDrafter.load(model, ModelDrafterConfig(max_tokens=max_tokens),
                                  vocab_size=target.vocab_size)
-    try:
-        from agentspec.drafters import distilled
-    except ImportError as exc:
-        raise DrafterUnavailableError(
-            f"no model drafter: agentspec.drafters.distilled is not available ({exc}); "
-            "pass a draft model folder or run `agentspec train-drafter`"
-        ) from None
+    from agentspec.drafters.eagle import EagleConfig, eagle_path, load_eagle
+
+    path = eagle_path(str(getattr(target, "name", "?")))
+    if path is not None:
+        try:
+            return load_eagle(target, path, EagleConfig(max_tokens=max_tokens))
+        except AgentSpecError as exc:
+            raise DrafterUnavailableError(
+                f"the EAGLE head {path} could not be loaded: {exc} "
+                "(retrain it with `agentspec train-drafter`)"
+            ) from None
+    from agentspec.drafters import distilled
     from agentspec.drafters.model import ModelDrafterConfig
 
     try:
@@ -96,8 +102,8 @@ def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 
         )
     except (OSError, AgentSpecError) as exc:
         raise DrafterUnavailableError(
-            f"the distilled model drafter could not be loaded: {exc} "
-            "(run `agentspec train-drafter` to build it)"
+            f"no model drafter for this target: no EAGLE head, and the distilled drafter "
+            f"could not be loaded: {exc} (run `agentspec train-drafter`)"
         ) from None
     return drafter
 

@@ -73,6 +73,13 @@ class HFTarget:
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        # Final-norm hidden states of the latest forward ([B, n, H]), captured by a hook on
+        # the final norm (it runs on every position even when only the last logits are
+        # kept). Holding a reference costs nothing; only last_features() copies.
+        self._features: torch.Tensor | None = None
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if isinstance(norm, torch.nn.Module):
+            norm.register_forward_hook(self._keep_features)
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -84,6 +91,9 @@ class HFTarget:
         device = config.resolved_device()
         model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
         return cls(model, tok, files.name, config.dtype, device)
+
+    def _keep_features(self, _module: Any, _inputs: Any, output: Any) -> None:
+        self._features = output if isinstance(output, torch.Tensor) else None
 
     # -- the Target protocol -------------------------------------------------------------
 
@@ -123,6 +133,7 @@ class HFTarget:
         self.check_fits(len(tokens))
         self._cache = DynamicCache(config=self.model.config)
         if not tokens:
+            self._features = torch.zeros(1, 0, int(self.model.config.hidden_size))
             return torch.zeros(self._vocab)
         return self._forward(tokens, last_only=True)[-1]
 
@@ -159,6 +170,20 @@ class HFTarget:
     def select_row(self, row: int) -> None:
         """Keep only cache row ``row`` of the last :meth:`score_batch`."""
         self._cache.batch_select_indices(torch.tensor([row], device=self.device))
+        if self._features is not None and self._features.shape[0] > row:
+            self._features = self._features[row : row + 1]
+
+    def last_features(self) -> torch.Tensor:
+        """Final-norm hidden states ``[n, H]`` (fp32, CPU) of the positions fed by the
+        latest prefill/score (the kept row after :meth:`select_row`).
+
+        Raises:
+            ConfigError: no forward has run, or the model has no final norm to hook.
+        """
+        if self._features is None:
+            raise ConfigError("last_features() before any forward (or the model has no "
+                              "model.norm to read hidden states from)")
+        return self._features[0].float().cpu()  # [n, H]
 
     def rollback(self, n: int) -> None:
         """Drop the last ``n`` cached positions (exact: later logits equal a fresh run's)."""

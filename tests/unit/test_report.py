@@ -106,3 +106,31 @@ def test_main_prints_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main([str(_write(tmp_path, _results())), "--out-dir", str(tmp_path / "o")]) == 0
     printed = capsys.readouterr().out
     assert "speed-up vs greedy" in printed and "wrote" in printed
+
+
+def test_mixed_pools_workloads_per_method(tmp_path: Path) -> None:
+    """The mixed-run view pools tokens and seconds per method over the chosen workloads,
+    drops methods missing from one of them, and compares with the best single source."""
+    import json
+
+    from workflows.mixed import best_single, load_rows, pooled
+
+    def row(w: str, m: str, tokens: int, seconds: float, fwd: float) -> dict[str, object]:
+        return {"workload": w, "method": m, "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds, "forwards_per_1k": fwd,
+                "identical_to_greedy": True}
+
+    a = [row("delegate52", "greedy", 100, 10.0, 1000), row("delegate52", "suffix", 100, 2.0, 100),
+         row("delegate52", "hybrid", 100, 2.5, 120)]
+    b = [row("chat", "greedy", 50, 5.0, 1000), row("chat", "suffix", 50, 6.0, 900),
+         row("chat", "hybrid", 50, 4.0, 700), row("chat", "model", 50, 4.5, 800)]
+    (tmp_path / "a.json").write_text(json.dumps({"results": a}))
+    (tmp_path / "b.json").write_text(json.dumps({"results": b}))
+    rows = load_rows([tmp_path / "a.json", tmp_path / "b.json"])
+    table = pooled(rows, ["delegate52", "chat"])
+    assert set(table) == {"greedy", "suffix", "hybrid"}  # model ran on chat only
+    assert table["suffix"]["tokens_per_s"] == round(150 / 8.0, 2)
+    assert table["hybrid"]["forwards_per_1k"] == round(1000 * (12 + 35) / 150, 1)
+    singles = best_single(rows, "hybrid")
+    assert singles["chat"] == round((50 / 4.0) / (50 / 4.5), 3)  # model is the best single
+    assert singles["delegate52"] == round((100 / 2.5) / (100 / 2.0), 3)
