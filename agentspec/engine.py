@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from agentspec.errors import ConfigError, DraftError, PromptTooLongError
-from agentspec.interfaces import Drafter, FeatureDrafter, FeatureTarget, Target, Verifier
+from agentspec.interfaces import (
+    Drafter,
+    FeatureDrafter,
+    FeatureTarget,
+    RequestAware,
+    Target,
+    Verifier,
+)
 from agentspec.types import (
     Draft,
     DraftContext,
@@ -58,6 +65,23 @@ class EngineConfig:
             raise ConfigError(f"min_draft must be >= 1, got {self.min_draft}")
         if self.max_branches < 1:
             raise ConfigError(f"max_branches must be >= 1, got {self.max_branches}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verified step, as the decode loop records it.
+
+    Attributes:
+        result: What the verifier committed.
+        draft_len: Draft tokens verified (the chosen draft's, for multi-draft steps).
+        source: The drafter that produced the verified draft (``"none"``: plain step).
+        draft_s: Seconds spent drafting.
+    """
+
+    result: VerifyResult
+    draft_len: int
+    source: str
+    draft_s: float
 
 
 @dataclass
@@ -237,15 +261,13 @@ class SpeculativeDecoder:
         """
         sampling = sampling or SamplingParams()
         self.check_request(prompt, max_tokens)
-        rng = None
-        if not sampling.greedy:
-            rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        rng = self._request_rng(sampling)
         # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
         # draws, which must come from the request's generator (same seed, same output).
-        for part in (self.verifier, self.drafter):
-            begin_request = getattr(part, "begin_request", None)
-            if begin_request is not None:
-                begin_request(session, rng)
+        for part in self._request_parts():
+            if isinstance(part, RequestAware):
+                part.begin_request(session, rng)
+        learner = self._learner()
         stats = RequestStats(prompt_tokens=len(prompt))
         checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
         t_start = time.perf_counter()
@@ -264,39 +286,66 @@ class SpeculativeDecoder:
             ctx = DraftContext(context, len(prompt), session, len(stats.steps))
             room = max_tokens - len(generated) - 1  # the verifier always adds one token
             t0 = time.perf_counter()
-            draft = self._propose(ctx, min(self.config.max_draft, room))
-            t1 = time.perf_counter()
-            if draft.is_tree:
-                result = self._verify_tree(context[-1], draft, sampling)
-            else:
-                logits = self.target.score([context[-1], *draft.tokens])  # [k+1, V]
-                result = self.verifier.verify(draft, logits, sampling, rng)
-                # Keep pending + accepted tokens in the cache, drop the rejected rest.
-                self.target.rollback(len(draft.tokens) - result.num_accepted)
+            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng)
+            result = step.result
             if link is not None:  # pending + accepted rows: the positions now committed
                 rows = link[1]()  # [k+1, H]
                 link[0](len(context) - 1, rows[: result.num_accepted + 1])
             t2 = time.perf_counter()
-            if self.drafter is not None:
-                self.drafter.observe(ctx, result)
+            if learner is not None:
+                learner.observe(ctx, result)
             block, finish = checker.cut(generated, result.tokens)
             generated.extend(block)
             context.extend(block)
             stats.forwards += 1
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
+            stats.draft_s += step.draft_s
+            stats.verify_s += t2 - t0 - step.draft_s
             stats.exceptions += result.exceptions
             stats.regret += result.regret
             stats.steps.append(
-                StepStats(draft.source, len(draft.tokens), result.num_accepted, len(block),
-                          t1 - t0, t2 - t1)
+                StepStats(step.source, step.draft_len, result.num_accepted, len(block),
+                          step.draft_s, t2 - t0 - step.draft_s)
             )
             yield list(generated)
-        if self.drafter is not None:
-            self.drafter.finish(DraftContext(context, len(prompt), session, len(stats.steps)))
+        if learner is not None:
+            learner.finish(DraftContext(context, len(prompt), session, len(stats.steps)))
         stats.generated_tokens = len(generated)
         stats.total_s = time.perf_counter() - t_start
         return Generation(generated, checker.final_text(generated), finish, stats)
+
+    # -- the per-request and per-step hooks (MultiDraftDecoder overrides them) -------------
+
+    def _request_rng(self, sampling: SamplingParams) -> torch.Generator | None:
+        """The request's seeded generator (``None`` for greedy requests)."""
+        if sampling.greedy:
+            return None
+        return torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+
+    def _request_parts(self) -> tuple[object, ...]:
+        """The parts told about each new request (``begin_request``, where they have it)."""
+        return (self.verifier, self.drafter)
+
+    def _learner(self) -> Drafter | None:
+        """The drafter told about committed tokens (``observe``) and request ends."""
+        return self.drafter
+
+    def _step(
+        self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> Step:
+        """Draft, score and verify one step; leave the cache holding pending + accepted."""
+        t0 = time.perf_counter()
+        draft = self._propose(ctx, max_draft)
+        draft_s = time.perf_counter() - t0
+        pending = ctx.tokens[-1]
+        if draft.is_tree:
+            result = self._verify_tree(pending, draft, sampling)
+        else:
+            logits = self.target.score([pending, *draft.tokens])  # [k+1, V]
+            result = self.verifier.verify(draft, logits, sampling, rng)
+            # Keep pending + accepted tokens in the cache, drop the rejected rest.
+            self.target.rollback(len(draft.tokens) - result.num_accepted)
+        return Step(result, len(draft.tokens), draft.source, draft_s)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
         """Raise for an empty prompt, ``max_tokens < 1`` or a request past the context window.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
+from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
 
 if TYPE_CHECKING:
     import torch
@@ -111,4 +111,15 @@ class FeatureDrafter(Protocol):
     def observe_features(self, start: int, features: torch.Tensor) -> None:
         """Feature rows ``[m, H]`` of the committed positions ``start .. start+m-1``.
         ``start == 0`` begins a new request."""
+        ...
+
+
+@runtime_checkable
+class RequestAware(Protocol):
+    """A drafter or verifier with request-scoped state (optional): the ASD regret budget,
+    a sampling drafter's generator. The engine calls this before each request's prefill."""
+
+    def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
+        """A request of ``session`` starts; ``rng`` is its seeded generator (``None``
+        for greedy requests)."""
         ...

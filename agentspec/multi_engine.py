@@ -6,30 +6,23 @@ target's cache holds every committed token but the last one, ``pending``. A step
 drafter for K drafts of one length k, scores the K rows ``[pending, *draft_j]`` in a single
 forward (the cache is expanded to K rows), lets the verifier pick a draft j and an accepted
 prefix, keeps cache row j and rolls back its rejected tail. Stop strings, EOS, max_tokens,
-streaming and statistics behave exactly as in the single-draft engine (this class only
-replaces :meth:`steps`).
+streaming and statistics behave exactly as in the single-draft engine: the decode loop is
+:meth:`SpeculativeDecoder.steps`; this class only overrides its per-request hooks and the
+per-step ``_step`` (propose K drafts, score them in one batch, verify).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from agentspec.engine import Decode, EngineConfig, Generation, SpeculativeDecoder, _StopChecker
+from agentspec.engine import Decode, EngineConfig, SpeculativeDecoder, Step
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Target
-from agentspec.types import (
-    Draft,
-    DraftContext,
-    RequestStats,
-    SamplingParams,
-    SessionRef,
-    StepStats,
-    VerifyResult,
-)
+from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from agentspec.verifiers.multi_draft import MultiDraftVerifier
 
 __all__ = ["BatchTarget", "MultiDraftDecoder", "MultiDrafter"]
@@ -100,54 +93,29 @@ class MultiDraftDecoder(SpeculativeDecoder):
         self.multi_drafter = drafter
         self.num_drafts = num_drafts
 
-    def steps(
-        self,
-        prompt: Sequence[int],
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: SamplingParams | None = None,
-        session: SessionRef | None = None,
-    ) -> Generator[list[int], None, Generation]:
-        """The decode loop (see :meth:`SpeculativeDecoder.steps`)."""
-        sampling = sampling or SamplingParams()
-        self.check_request(prompt, max_tokens)
+    # The decode loop is SpeculativeDecoder.steps; only these hooks differ.
+
+    def _request_rng(self, sampling: SamplingParams) -> torch.Generator:
         # Drafts and verification draw from one seeded generator: same seed, same output.
-        rng = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        for part in (self.multi_verifier, self.multi_drafter):
-            begin_request = getattr(part, "begin_request", None)
-            if begin_request is not None:
-                begin_request(session, rng)
-        stats = RequestStats(prompt_tokens=len(prompt))
-        checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
-        t_start = time.perf_counter()
-        self.target.prefill(list(prompt[:-1]))
-        stats.prefill_s = time.perf_counter() - t_start
-        context: list[int] = list(prompt)
-        generated: list[int] = []
-        finish: str | None = None
-        while finish is None:
-            ctx = DraftContext(context, len(prompt), session, len(stats.steps))
-            room = max_tokens - len(generated) - 1  # the verifier always adds one token
-            t0 = time.perf_counter()
-            drafts = self._propose_many(ctx, min(self.config.max_draft, room), rng)
-            t1 = time.perf_counter()
-            result, k, source = self._verify(context[-1], drafts, sampling, rng)
-            t2 = time.perf_counter()
-            self.multi_drafter.observe(ctx, result)
-            block, finish = checker.cut(generated, result.tokens)
-            generated.extend(block)
-            context.extend(block)
-            stats.forwards += 1
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.steps.append(
-                StepStats(source, k, result.num_accepted, len(block), t1 - t0, t2 - t1)
-            )
-            yield list(generated)
-        self.multi_drafter.finish(DraftContext(context, len(prompt), session, len(stats.steps)))
-        stats.generated_tokens = len(generated)
-        stats.total_s = time.perf_counter() - t_start
-        return Generation(generated, checker.final_text(generated), finish, stats)
+        return torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+
+    def _request_parts(self) -> tuple[object, ...]:
+        return (self.multi_verifier, self.multi_drafter)
+
+    def _learner(self) -> Any:
+        return self.multi_drafter
+
+    def _step(
+        self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
+        rng: torch.Generator | None,
+    ) -> Step:
+        """K drafts, one batched forward, one verification (see the module docstring)."""
+        assert rng is not None  # _request_rng always makes one
+        t0 = time.perf_counter()
+        drafts = self._propose_many(ctx, max_draft, rng)
+        draft_s = time.perf_counter() - t0
+        result, k, source = self._verify(ctx.tokens[-1], drafts, sampling, rng)
+        return Step(result, k, source, draft_s)
 
     def _propose_many(
         self, ctx: DraftContext, max_tokens: int, rng: torch.Generator

@@ -22,8 +22,9 @@ desynchronised stream) the drafter drafts nothing rather than guessing.
 
 Artifacts: one safetensors file, the head's tensors in fp16, ``draft_vocab`` as an int32
 tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`:
-``$AGENTSPEC_HOME/drafters/<target>-eagle.safetensors`` (what ``agentspec train-drafter --kind eagle``
-writes), then the copy shipped in ``agentspec/data/drafters/``.
+``$AGENTSPEC_HOME/drafters/<target>-eagle.safetensors`` (what
+``agentspec train-drafter --kind eagle`` writes), then the copy shipped in
+``agentspec/data/drafters/``.
 """
 
 from __future__ import annotations

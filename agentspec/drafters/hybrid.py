@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from agentspec.errors import ConfigError
-from agentspec.interfaces import Drafter, FeatureDrafter
+from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -134,6 +134,5 @@ class HybridDrafter:
         """Forward the engine's request start to the sub-drafters that take it."""
         self._recent.clear()
         for part in (self.cache, self.model):
-            begin = getattr(part, "begin_request", None)
-            if begin is not None:
-                begin(session, rng)
+            if isinstance(part, RequestAware):
+                part.begin_request(session, rng)

@@ -199,4 +199,5 @@ def test_packaged_artifact_if_present_is_small() -> None:
     from agentspec.drafters.distilled import PACKAGED_DIR
 
     for path in Path(PACKAGED_DIR).glob("*.safetensors"):
-        assert path.stat().st_size < 2.5 * 2**20
+        limit = 10 if path.stem.endswith("-eagle") else 2.5  # the EAGLE head is ~8 MB
+        assert path.stat().st_size < limit * 2**20
