@@ -19,6 +19,7 @@ Verification is untouched, so HVD is exactly as lossless as the verifier it runs
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -73,6 +74,7 @@ class HybridDrafter:
         self.last_choice: Any = None
         self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
         self._pending: tuple[str, int, float] | None = None  # (source, draft_len, draft_s)
+        self._model_synced = False  # has the model drafter drafted in this request yet?
 
     # -- the Drafter protocol -------------------------------------------------------------
 
@@ -80,6 +82,7 @@ class HybridDrafter:
         """Draft with the source the policy picks (at most ``max_tokens`` tokens)."""
         if ctx.step == 0:
             self._recent.clear()
+            self._model_synced = False
         if max_tokens < 1:
             self._pending = None
             return Draft(source=NONE)
@@ -91,14 +94,20 @@ class HybridDrafter:
         choice = self.policy.choose(cache, model_len, phi)
         self.last_choice = choice
         t0 = time.perf_counter()
+        timed = True
         if choice.source == CACHE:
             draft = cache.truncated(max(1, choice.length))
         elif choice.source == MODEL:
             draft = self.model.propose(ctx, max(1, min(choice.length, model_len)))
+            # The model drafter's first draft of a request also syncs it with the whole
+            # prompt (a KV-cache prefill, an EAGLE head's catch-up): not a per-token cost.
+            if not self._model_synced:
+                self._model_synced, timed = True, False
         else:
             draft = Draft(source=NONE)
         self.wins[choice.source] = self.wins.get(choice.source, 0) + 1
-        self._pending = (choice.source, len(draft.tokens), time.perf_counter() - t0)
+        draft_s = time.perf_counter() - t0 if timed else math.nan
+        self._pending = (choice.source, len(draft.tokens), draft_s)
         return draft
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:

@@ -73,7 +73,8 @@ class SourcePolicy(Protocol):
 
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
         """A step of ``source`` verified ``draft_len`` tokens and accepted ``accepted``;
-        drafting it took ``draft_s`` seconds."""
+        drafting it took ``draft_s`` seconds (``nan``: not representative, e.g. the
+        model drafter's first step of a request, which also syncs it with the prompt)."""
         ...
 
 
@@ -248,7 +249,8 @@ class CostAwarePolicy:
             return
         self._hits = self.decay * self._hits + accepted
         self._misses = self.decay * self._misses + (1.0 if accepted < draft_len else 0.0)
-        self._token_costs.append(draft_s / draft_len)
+        if math.isfinite(draft_s):  # nan: a step whose time is not a per-token cost
+            self._token_costs.append(draft_s / draft_len)
 
 
 def _memo(cost: Cost) -> Cost:

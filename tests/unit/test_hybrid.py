@@ -142,3 +142,35 @@ def test_hvd_methods_fail_clearly_without_a_drafter(
     monkeypatch.setattr(distilled, "load_default_drafter", missing)
     with pytest.raises(BenchmarkError, match=f"method '{method}'.*no trained drafter"):
         build_method(method, MethodContext(tiny_target))
+
+
+def test_first_model_step_of_a_request_is_not_a_cost_sample(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """The model drafter's first draft of a request also syncs it with the whole prompt;
+    its time must not be learned as a per-token cost (it once priced the EAGLE head out
+    of every later step)."""
+    import math
+
+    from agentspec.drafters import OracleDrafter
+    from agentspec.payoff.policy import MODEL, Choice
+
+    class AlwaysModel:
+        name, needs_features = "always_model", False
+
+        def __init__(self) -> None:
+            self.costs: list[float] = []
+
+        def choose(self, cache, model_len, phi):  # type: ignore[no-untyped-def]
+            return Choice(MODEL, model_len)
+
+        def update(self, source, draft_len, accepted, draft_s):  # type: ignore[no-untyped-def]
+            self.costs.append(draft_s)
+
+    policy = AlwaysModel()
+    model = OracleDrafter({})  # drafts nothing useful; any Drafter works here
+    hybrid = HybridDrafter(SuffixDrafter(), model, policy, None, model_max=2)  # type: ignore[arg-type]
+    eng = SpeculativeDecoder(tiny_target, hybrid, config=EngineConfig(max_draft=4))
+    for prompt in ([5, 6, 7, 8], [9, 10, 11]):
+        policy.costs.clear()
+        eng.generate(prompt, max_tokens=6)
+        assert math.isnan(policy.costs[0])
+        assert all(math.isfinite(c) for c in policy.costs[1:]) and len(policy.costs) > 1
