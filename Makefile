@@ -46,10 +46,11 @@ test: venv lint
 	$(PY) -m pytest tests -q
 	$(MAKE) test-vllm
 
-# Reproduces BENCHMARKS.md on 2 quiet cores: the DELEGATE-52 relay (5 domains x 4 turns) and
-# EditEval with the cache drafters and ASD budgets (~25 min), the tool agent and open chat
-# with every drafter (~10 min), the sampling verifiers (~3 min); every method side by side
-# with greedy in one run. `make bench-quick`: every workload, 2 sessions x 2 turns (~5 min).
+# Reproduces BENCHMARKS.md on 2 quiet cores (28 min measured): the DELEGATE-52 relay (5 domains
+# x 4 turns) and EditEval with the cache drafters, HVD and ASD budgets (~18 min), the tool
+# agent and open chat with every drafter (~6 min), the pooled mixed-run view, the sampling
+# verifiers (~4 min); every method side by side with greedy in one run.
+# `make bench-quick`: every workload, answers capped at 160 tokens (3.6 min measured).
 RELAY_METHODS := greedy,suffix,arctic_suffix,oracle,arctic_rule,hybrid,asd_b1,asd_b4
 AGENT_METHODS := greedy,hf_prompt_lookup,prompt_lookup,suffix,arctic_suffix,model,arctic_rule,hybrid
 bench: venv

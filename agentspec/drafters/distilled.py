@@ -262,15 +262,21 @@ class DistilledDrafter(ModelDrafter):
         return full
 
 
-def default_drafter_path(target_name: str) -> Path | None:
-    """The artifact :func:`load_default_drafter` would use for ``target_name``, if any."""
+def find_artifact(filename: str) -> Path | None:
+    """A drafter artifact by file name: ``$AGENTSPEC_HOME/drafters`` (what training writes)
+    first, then the copies shipped in ``agentspec/data/drafters``."""
     from agentspec.models import agentspec_home
 
     for folder in (agentspec_home() / "drafters", PACKAGED_DIR):
-        path = folder / f"{target_name}.safetensors"
+        path = folder / filename
         if path.is_file():
             return path
     return None
+
+
+def default_drafter_path(target_name: str) -> Path | None:
+    """The artifact :func:`load_default_drafter` would use for ``target_name``, if any."""
+    return find_artifact(f"{target_name}.safetensors")
 
 
 def read_artifact(path: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:

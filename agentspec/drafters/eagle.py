@@ -42,7 +42,6 @@ from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 __all__ = ["EagleConfig", "EagleDrafter", "build_head", "eagle_path", "load_default_eagle",
            "load_eagle", "read_head", "save_eagle"]
 
-PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "drafters"
 
 
 @dataclass(frozen=True)
@@ -162,13 +161,9 @@ class EagleDrafter:
 
 def eagle_path(target_name: str) -> Path | None:
     """The artifact :func:`load_default_eagle` would use for ``target_name``, if any."""
-    from agentspec.models import agentspec_home
+    from agentspec.drafters.distilled import find_artifact
 
-    for folder in (agentspec_home() / "drafters", PACKAGED_DIR):
-        path = folder / f"{target_name}-eagle.safetensors"
-        if path.is_file():
-            return path
-    return None
+    return find_artifact(f"{target_name}-eagle.safetensors")
 
 
 def save_eagle(path: Path, head: EagleHead) -> None:
