@@ -26,6 +26,7 @@ from agentspec.interfaces import (
     Target,
     Verifier,
 )
+from agentspec.sampling import default_generator
 from agentspec.types import (
     Draft,
     DraftContext,
@@ -317,9 +318,7 @@ class SpeculativeDecoder:
 
     def _request_rng(self, sampling: SamplingParams) -> torch.Generator | None:
         """The request's seeded generator (``None`` for greedy requests)."""
-        if sampling.greedy:
-            return None
-        return torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        return None if sampling.greedy else default_generator(None, sampling)
 
     def _request_parts(self) -> tuple[object, ...]:
         """The parts told about each new request (``begin_request``, where they have it)."""

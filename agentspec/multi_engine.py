@@ -22,6 +22,7 @@ import torch
 from agentspec.engine import Decode, EngineConfig, SpeculativeDecoder, Step
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Target
+from agentspec.sampling import default_generator
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from agentspec.verifiers.multi_draft import MultiDraftVerifier
 
@@ -96,8 +97,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
     # The decode loop is SpeculativeDecoder.steps; only these hooks differ.
 
     def _request_rng(self, sampling: SamplingParams) -> torch.Generator:
-        # Drafts and verification draw from one seeded generator: same seed, same output.
-        return torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        # Drafts and verification draw from one seeded generator, greedy requests too.
+        return default_generator(None, sampling)
 
     def _request_parts(self) -> tuple[object, ...]:
         return (self.multi_verifier, self.multi_drafter)

@@ -214,8 +214,6 @@ def _train_eagle(args: argparse.Namespace, cfg: TrainDrafterConfig, model: Any, 
     from agentspec.train_drafter import choose_draft_vocab
     from agentspec.train_eagle import TrainEagleConfig, extract_features, train_head
 
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    draft_vocab = choose_draft_vocab(seqs, cfg.draft_vocab, vocab, eos)
     # Features may use at most half of what is left, so training always gets time.
     t0 = time.monotonic()
     with tqdm(total=len(seqs), desc="target features", unit="seq",
@@ -228,6 +226,8 @@ def _train_eagle(args: argparse.Namespace, cfg: TrainDrafterConfig, model: Any, 
 
         head = read_head(model, args.init_from)
     else:
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        draft_vocab = choose_draft_vocab(seqs, cfg.draft_vocab, vocab, eos)
         spec = HeadSpec.for_target(model, draft_vocab, name, embedding_checksum(model))
         head = build_head(model, spec)
         head.init_identity(cfg.seed)

@@ -43,7 +43,6 @@ __all__ = ["EagleConfig", "EagleDrafter", "build_head", "eagle_path", "load_defa
            "load_eagle", "read_head", "save_eagle"]
 
 
-
 @dataclass(frozen=True)
 class EagleConfig:
     """Settings of :class:`EagleDrafter`.
@@ -122,9 +121,12 @@ class EagleDrafter:
             base = self._cache.n
             pos = len(tokens) - 1  # position of the pending token's pair (f̂, d_1)
             while True:
-                probs = torch.softmax(self.head.logits(last), dim=-1)  # [N]
-                p, j = probs.max(dim=-1)
-                if draft and float(p) < self.config.min_confidence:
+                logits = self.head.logits(last)  # [N]
+                top, j = logits.max(dim=-1)
+                # p(top) = exp(top - logsumexp): only computed when a cut is configured.
+                if (draft and self.config.min_confidence > 0.0 and float(
+                        torch.exp(top - torch.logsumexp(logits, dim=-1)))
+                        < self.config.min_confidence):
                     break
                 draft.append(int(self._ids[int(j)]))
                 if len(draft) >= k:
