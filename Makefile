@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Converted model files and measured cost curves live here (git-ignored).
 export AGENTSPEC_HOME ?= $(CURDIR)/.cache/agentspec
 
-.PHONY: demo test test-unit test-integration lint bench bench-quick venv clean vllm-env test-vllm
+.PHONY: demo test test-unit test-integration lint bench bench-mixed bench-quick venv clean vllm-env test-vllm
 
 venv: $(STAMP)
 
@@ -61,7 +61,14 @@ bench: venv
 		--limit 3 --turns 2 --max-draft 32 --out results/agents.json
 	$(VENV)/bin/agentspec report results/agents.json
 	$(PY) -m workflows.mixed results/relay.json results/agents.json --out results/mixed.json
+	$(PY) -m workflows.interleaved --methods $(MIXED_METHODS) --out results/interleaved.json
 	$(PY) -m workflows.bench_verifiers --prompts 4 --seeds 2 --out results/verifiers.json
+
+# The mixed run interleaved turn by turn (drift-free ratios; ~9 min): relay 5x4, tool agent
+# and chat 3x2, every method decoding each turn back to back, oracle as the ceiling.
+MIXED_METHODS := hybrid,suffix,arctic_rule,oracle
+bench-mixed: venv
+	$(PY) -m workflows.interleaved --methods $(MIXED_METHODS) --out results/interleaved.json
 
 bench-quick: venv
 	$(VENV)/bin/agentspec bench --workloads delegate52,tool_agent,editeval,chat \
@@ -108,6 +115,17 @@ test-vllm: venv vllm-env
 .PHONY: drafter
 drafter: venv
 	$(VENV)/bin/agentspec train-drafter --kind eagle --minutes 18 $(if $(wildcard ../shared/data),--data ../shared/data,)
+
+# The HVD payoff predictor shipped in agentspec/payoff/default_predictor.json: greedy traces of
+# 12 sessions x 4 turns per workload of ../shared/data, leaving out every session `make bench`
+# measures (--exclude-bench), replayed with 32-token drafts (~15 minutes on 2 cores, nearly
+# all of it tracing).
+.PHONY: predictor
+predictor: venv
+	$(VENV)/bin/agentspec train-predictor --workloads delegate52,tool_agent,chat,editeval \
+		--exclude-bench --limit 12 --turns 4 --max-tokens 640 --trace-tokens 60000 --max-draft 32 \
+		$(if $(wildcard ../shared/data),--data ../shared/data,) \
+		--out agentspec/payoff/default_predictor.json --report results/predictor.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from agentspec.errors import ConfigError
@@ -32,6 +34,19 @@ from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 __all__ = ["HybridDrafter"]
 
 _RECENT_KEEP = 16  # steps of (draft_len, accepted) kept for the features
+_SHADOW_KEEP = 64  # cache drafts waiting for their full-length label
+
+
+def full_length_label(draft: Sequence[int], continuation: Sequence[int]) -> int | None:
+    """How many tokens of ``draft`` the true ``continuation`` confirms, once it is known:
+    the common prefix length if a mismatch is seen or the whole draft matched, ``None``
+    while the continuation is still shorter than that (the label is not known yet)."""
+    m = 0
+    for d, c in zip(draft, continuation, strict=False):
+        if d != c:
+            return m
+        m += 1
+    return m if m == len(draft) else None
 
 
 class HybridDrafter:
@@ -74,7 +89,9 @@ class HybridDrafter:
         self.last_choice: Any = None
         self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
         self._pending: tuple[str, int, float] | None = None  # (source, draft_len, draft_s)
-        self._model_synced = False  # has the model drafter drafted in this request yet?
+        self._last_source = NONE  # the previous step's source, in this request
+        # (start, full cache draft, raw ŷ) of recent steps: labelled from later tokens.
+        self._shadow: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=_SHADOW_KEEP)
 
     # -- the Drafter protocol -------------------------------------------------------------
 
@@ -82,7 +99,8 @@ class HybridDrafter:
         """Draft with the source the policy picks (at most ``max_tokens`` tokens)."""
         if ctx.step == 0:
             self._recent.clear()
-            self._model_synced = False
+            self._last_source = NONE
+            self._shadow.clear()
         if max_tokens < 1:
             self._pending = None
             return Draft(source=NONE)
@@ -93,19 +111,24 @@ class HybridDrafter:
         model_len = min(self.model_max, max_tokens)
         choice = self.policy.choose(cache, model_len, phi)
         self.last_choice = choice
+        if cache.tokens and math.isfinite(choice.raw):
+            self._shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw))
         t0 = time.perf_counter()
         timed = True
         if choice.source == CACHE:
             draft = cache.truncated(max(1, choice.length))
         elif choice.source == MODEL:
             draft = self.model.propose(ctx, max(1, min(choice.length, model_len)))
-            # The model drafter's first draft of a request also syncs it with the whole
-            # prompt (a KV-cache prefill, an EAGLE head's catch-up): not a per-token cost.
-            if not self._model_synced:
-                self._model_synced, timed = True, False
+            # A model draft after a step of another source (or the request's first) also
+            # syncs the drafter with every token committed meanwhile: the whole prompt, or a
+            # cache step's 30-token copy (a KV-cache prefill, an EAGLE head's catch-up). That
+            # is not a per-token drafting cost; learned as one it priced the model out of
+            # every later step. Only back-to-back model steps are cost samples.
+            timed = self._last_source == MODEL
         else:
             draft = Draft(source=NONE)
         self.wins[choice.source] = self.wins.get(choice.source, 0) + 1
+        self._last_source = choice.source
         draft_s = time.perf_counter() - t0 if timed else math.nan
         self._pending = (choice.source, len(draft.tokens), draft_s)
         return draft
@@ -120,6 +143,23 @@ class HybridDrafter:
             del self._recent[:-_RECENT_KEEP]
             self.policy.update(source, k, result.num_accepted, draft_s)
             self._pending = None
+        self._label_shadows(ctx, result)
+
+    def _label_shadows(self, ctx: DraftContext, result: VerifyResult) -> None:
+        """Give the policy the full-length accepted length of every earlier cache draft
+        whose continuation is now committed (verified or not: a cut draft or a step the
+        model won still says how good the cache draft was)."""
+        if not self._shadow:
+            return
+        base = self._shadow[0][0]
+        committed = list(ctx.tokens[base:]) + list(result.tokens)  # from the oldest start
+        while self._shadow:
+            start, draft, raw = self._shadow[0]
+            label = full_length_label(draft, committed[start - base:])
+            if label is None:  # drafts start in order: later ones are not due either
+                break
+            self._shadow.popleft()
+            self.policy.outcome(raw, label)
 
     def finish(self, ctx: DraftContext) -> None:
         """Forward to both sub-drafters; the request's step history ends."""
@@ -127,6 +167,7 @@ class HybridDrafter:
         self.model.finish(ctx)
         self._recent.clear()
         self._pending = None
+        self._shadow.clear()  # unlabelled drafts at the end: the continuation never came
 
     @property
     def wants_features(self) -> bool:

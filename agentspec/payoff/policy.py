@@ -14,12 +14,41 @@ Cost model. A step verifying k draft tokens scores ``[pending] + draft``, one fo
 k + 1 tokens costing c(k + 1), plus the drafter's own time (≈0 for the cache; k drafter
 forwards for the model, measured online). It commits ``accepted + 1`` tokens.
 
-Acceptance model. Greedy acceptance stops at the first miss; with a per-token acceptance
-rate α, P(accepted ≥ j) = α^j and E[min(accepted, k)] = Σ_{j=1..k} α^j. For the cache draft
-α is solved from the predictor's ŷ for its full length L (Σ_{j≤L} α^j = ŷ); for the model
-drafter α is estimated online from its verified steps (accepted tokens over accepted
-tokens plus first misses, a Beta-style prior and exponential forgetting). Truncating the
-cache draft at the k maximising (E_k + 1) / c(k + 1) is the "predicted useful length".
+Acceptance models. Greedy acceptance stops at the first miss, so E[min(accepted, k)] =
+Σ_{j=1..k} P(accepted ≥ j).
+
+* The model drafter: a constant per-token rate α, P(accepted ≥ j) = α^j, so
+  E_k = Σ_{j≤k} α^j. α is estimated online from its verified steps (accepted tokens over
+  accepted tokens plus first misses, a Beta-style prior and exponential forgetting).
+* The cache draft: copy runs are bursty, not geometric. A long match is either refuted
+  within a few tokens (the copied text diverged) or accepted to its end (the model re-emits
+  the document), so a single rate undervalues the tail and truncates relay drafts hard
+  (measured: 0.82× ``suffix`` on the relay with the geometric model). The cache draft's
+  model is a mixture: with probability q the whole draft of length n is right, otherwise
+  acceptance is geometric with the *refuted-draft* rate β,
+
+      P(accepted ≥ j) = q + (1 − q) β^j  (j ≤ n),   E_k = q·k + (1 − q) Σ_{j≤k} β^j.
+
+  β is learned online from the cache steps that were refuted (same estimator as α); q is
+  solved from the predictor's ŷ for the full draft: q = (ŷ − G_n(β)) / (n − G_n(β)) with
+  G_n(β) = Σ_{j≤n} β^j. When ŷ < G_n(β) the draft is worse than a typical refuted one and
+  q = 0 with a geometric rate solved from ŷ instead (the two agree at ŷ = G_n(β)).
+
+Online calibration. The predictor is trained offline on a few dozen sessions, so on a new
+workload it can be off by a factor (measured: it underrated the relay's copies, and cut
+them). The policy therefore keeps a calibration factor r = Σ y / Σ ŷ over recent cache
+drafts and uses r·ŷ, where y is the draft's *full-length* accepted length — the label the
+predictor was trained on. Verification only shows y censored at the verified length (a cut
+draft that is wholly accepted says "y ≥ k"), and nothing at all when the model drafted
+instead, so :class:`~agentspec.drafters.hybrid.HybridDrafter` recovers y from the tokens
+committed in the following steps (the label trace replay computes offline) and reports it
+through :meth:`CostAwarePolicy.outcome`. Decayed sums with a prior of r = 1: this is
+calibration-in-the-large per policy instance; the predictor still ranks drafts, r fixes its
+scale on the traffic at hand.
+
+Truncating a draft at the k maximising (E_k + 1) / c(k + 1) is the "predicted useful
+length": under the mixture the qk term keeps long likely-copied drafts whole, because c(k)
+grows far slower than k on this hardware.
 """
 
 from __future__ import annotations
@@ -46,12 +75,15 @@ class Choice:
     Attributes:
         source: ``"cache"``, ``"model"`` or ``"none"`` (plain one-token decoding).
         length: Draft tokens to verify (the cache draft is cut to it; the model drafts it).
-        predicted: ŷ of the cache draft (``nan`` when no predictor was consulted).
+        predicted: ŷ of the cache draft as the policy used it (after calibration;
+            ``nan`` when no predictor was consulted).
+        raw: The predictor's own ŷ for the whole cache draft (``nan``: none).
     """
 
     source: str
     length: int
     predicted: float = math.nan
+    raw: float = math.nan
 
 
 @runtime_checkable
@@ -75,6 +107,11 @@ class SourcePolicy(Protocol):
         """A step of ``source`` verified ``draft_len`` tokens and accepted ``accepted``;
         drafting it took ``draft_s`` seconds (``nan``: not representative, e.g. the
         model drafter's first step of a request, which also syncs it with the prompt)."""
+        ...
+
+    def outcome(self, raw: float, accepted: int) -> None:
+        """A cache draft the predictor rated ``raw`` (:attr:`Choice.raw`) would have had
+        ``accepted`` tokens accepted at its full length, whichever source was verified."""
         ...
 
 
@@ -101,17 +138,80 @@ def solve_alpha(y_hat: float, length: int) -> float:
     return (lo + hi) / 2
 
 
+@dataclass(frozen=True)
+class CopyAcceptance:
+    """The cache draft's acceptance mixture: P(accepted ≥ j) = q + (1 − q) β^j, j ≤ n.
+
+    Attributes:
+        full: q, the probability that the whole draft is accepted.
+        rate: β, the per-token rate of a draft that will be refuted.
+    """
+
+    full: float
+    rate: float
+
+    def expected(self, k: int) -> float:
+        """E[min(accepted, k)] = q·k + (1 − q) Σ_{j≤k} β^j."""
+        return self.full * k + (1.0 - self.full) * expected_accepted(self.rate, k)
+
+
+def fit_copy_acceptance(y_hat: float, length: int, miss_rate: float) -> CopyAcceptance:
+    """The mixture whose E_length equals ŷ, given the refuted-draft rate β = ``miss_rate``.
+
+    q = (ŷ − G) / (length − G) with G = Σ_{j≤length} β^j; when ŷ ≤ G, q = 0 and the rate
+    is solved from ŷ alone (a draft predicted worse than a typical refuted one).
+    """
+    if length <= 0 or y_hat <= 0.0:
+        return CopyAcceptance(0.0, 0.0)
+    g = expected_accepted(miss_rate, length)
+    if y_hat <= g or g >= length:
+        return CopyAcceptance(0.0, solve_alpha(y_hat, length))
+    return CopyAcceptance(min(1.0, (y_hat - g) / (length - g)), miss_rate)
+
+
 def best_length(
-    alpha: float, max_len: int, cost: Cost, per_token_s: float = 0.0
+    expected: Callable[[int], float], max_len: int, cost: Cost, per_token_s: float = 0.0
 ) -> tuple[int, float]:
     """The draft length k in 1..max_len maximising (E_k + 1) / (c(k + 1) + k · per_token_s),
-    and that rate (expected committed tokens per second)."""
+    and that rate (expected committed tokens per second); ``expected(k)`` is E_k."""
     best_k, best_rate = 0, -1.0
     for k in range(1, max_len + 1):
-        rate = (expected_accepted(alpha, k) + 1.0) / (cost(k + 1) + k * per_token_s)
+        rate = (expected(k) + 1.0) / (cost(k + 1) + k * per_token_s)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k, best_rate
+
+
+def geometric(alpha: float) -> Callable[[int], float]:
+    """E_k under a constant per-token acceptance rate α."""
+    return lambda k: expected_accepted(alpha, k)
+
+
+class _RateEstimate:
+    """A per-token acceptance rate from verified steps: accepted tokens over accepted tokens
+    plus first misses, with Beta-style prior pseudo-counts and exponential forgetting."""
+
+    def __init__(self, prior: float, prior_steps: float, decay: float) -> None:
+        self.prior_hits = self.hits = prior * prior_steps / (1.0 - prior)
+        self.prior_misses = self.misses = prior_steps
+        self.decay = decay
+
+    @property
+    def rate(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def add(self, accepted: int, missed: bool) -> None:
+        self.hits = self.decay * self.hits + accepted
+        self.misses = self.decay * self.misses + (1.0 if missed else 0.0)
+
+    def relax(self) -> None:
+        """One step without evidence: drift back toward the prior. A source that is not
+        chosen is not observed, and without this an estimate learned on one workload (a
+        tool agent's JSON, which the model drafts badly) would price the source out of
+        every later workload (open chat, which it drafts well) for good."""
+        d = self.decay
+        self.hits = d * self.hits + (1 - d) * self.prior_hits
+        self.misses = d * self.misses + (1 - d) * self.prior_misses
 
 
 class ArcticRule:
@@ -132,6 +232,9 @@ class ArcticRule:
         return Choice(MODEL, model_len) if model_len else Choice(NONE, 0)
 
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
+        """Stateless."""
+
+    def outcome(self, raw: float, accepted: int) -> None:
         """Stateless."""
 
 
@@ -156,11 +259,14 @@ class ThresholdPolicy:
             return Choice(MODEL, model_len) if model_len else Choice(NONE, 0)
         y = self.predictor.predict(phi) if phi is not None else 0.0
         if y >= self.tau or model_len == 0:
-            return Choice(CACHE, len(cache.tokens), y)
-        return Choice(MODEL, model_len, y)
+            return Choice(CACHE, len(cache.tokens), y, y)
+        return Choice(MODEL, model_len, y, y)
 
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
         """Stateless."""
+
+    def outcome(self, raw: float, accepted: int) -> None:
+        """Stateless (the paper's rule uses τ as trained)."""
 
 
 class CostAwarePolicy:
@@ -170,11 +276,13 @@ class CostAwarePolicy:
         predictor: The payoff predictor (ŷ of the cache draft).
         cost: The target's measured c(k) in seconds (``HFTarget.verify_cost``).
         model_alpha: Prior per-token acceptance rate of the model drafter.
-        prior_steps: Weight of that prior, in steps.
-        decay: Per-step forgetting of the model's acceptance counts (adapts to the
-            workload: chat and copying turns differ).
-        keep_factor: A cache draft chosen for verification keeps at least this many times
-            its predicted accepted length ŷ (see :meth:`choose`).
+        prior_steps: Weight of the priors, in steps.
+        decay: Per-step forgetting of the acceptance counts (adapts to the workload: chat
+            and copying turns differ).
+        miss_rate: Prior β, the per-token acceptance rate of cache drafts that get refuted.
+        calibration_decay: Per-cache-step forgetting of the calibration sums (0.9: about
+            the last ten cache steps); 1.0 with ``calibration_prior`` large turns it off.
+        calibration_prior: Weight of the prior r = 1, in expected tokens.
     """
 
     name = "cost_aware"
@@ -187,32 +295,49 @@ class CostAwarePolicy:
         model_alpha: float = 0.6,
         prior_steps: float = 4.0,
         decay: float = 0.98,
-        keep_factor: float = 2.0,
+        miss_rate: float = 0.5,
+        calibration_decay: float = 0.9,
+        calibration_prior: float = 8.0,
     ) -> None:
-        if keep_factor < 0:
-            raise ConfigError(f"keep_factor must be >= 0, got {keep_factor!r}")
-        self.keep_factor = keep_factor
-        if not 0.0 < model_alpha < 1.0:
-            raise ConfigError(f"model_alpha must be in (0, 1), got {model_alpha!r}")
+        for label, value in (("model_alpha", model_alpha), ("miss_rate", miss_rate)):
+            if not 0.0 < value < 1.0:
+                raise ConfigError(f"{label} must be in (0, 1), got {value!r}")
+        if calibration_prior <= 0 or not 0.0 < calibration_decay <= 1.0:
+            raise ConfigError(f"need calibration_prior > 0 and calibration_decay in (0, 1], "
+                              f"got {calibration_prior!r}, {calibration_decay!r}")
+        if prior_steps <= 0 or not 0.0 < decay <= 1.0:
+            raise ConfigError(f"need prior_steps > 0 and decay in (0, 1], got "
+                              f"{prior_steps!r}, {decay!r}")
         self.predictor = predictor
         self.cost = _memo(cost)
         # Read c(k) now: a target measures its cost curve on first use (seconds), which
         # must not land inside the first decode step's drafting time.
         for k in range(1, 2 * PRELOAD_K + 2):
             self.cost(k)
-        self.decay = decay
-        # Beta-style pseudo counts: accepted tokens vs. first misses.
-        self._hits = model_alpha * prior_steps / (1.0 - model_alpha)
-        self._misses = prior_steps
+        self._model = _RateEstimate(model_alpha, prior_steps, decay)
+        self._refuted = _RateEstimate(miss_rate, prior_steps, decay)  # β of cache drafts
         # Model drafting seconds per token: the median of recent steps (0 until measured,
         # so the model gets tried). A median, because the first model step after a run of
         # cache steps also feeds the drafter every token it missed, an outlier.
         self._token_costs: deque[float] = deque(maxlen=9)
+        # Calibration sums: full-length accepted tokens y and predictions ŷ of cache drafts.
+        self._cal_prior, self._cal_decay = calibration_prior, calibration_decay
+        self._cal_seen = self._cal_expected = calibration_prior
+
+    @property
+    def calibration(self) -> float:
+        """r = Σ y / Σ ŷ over recent cache drafts (clipped to [0.2, 5])."""
+        return min(5.0, max(0.2, self._cal_seen / self._cal_expected))
 
     @property
     def model_alpha(self) -> float:
         """Current estimate of the model drafter's per-token acceptance rate."""
-        return self._hits / (self._hits + self._misses)
+        return self._model.rate
+
+    @property
+    def miss_rate(self) -> float:
+        """Current estimate of β, the per-token rate of cache drafts that get refuted."""
+        return self._refuted.rate
 
     @property
     def model_token_s(self) -> float:
@@ -225,32 +350,51 @@ class CostAwarePolicy:
         """The source and length with the highest expected committed tokens per second."""
         options = [(1.0 / self.cost(1), Choice(NONE, 0))]  # plain decoding: 1 token/forward
         y = math.nan
+        raw = math.nan
         if cache.tokens:
             n = len(cache.tokens)
-            y = min(self.predictor.predict(phi), n) if phi is not None else 0.0
-            k, rate = best_length(solve_alpha(y, n), n, self.cost)
-            # Copy runs are bursty, not geometric: a long match is either refuted within a
-            # few tokens or accepted to its end, so the geometric model undervalues the
-            # tail and truncates relay drafts too hard (measured: 0.82x `suffix` on the
-            # relay). Keep at least keep_factor x the predicted accepted length.
-            k = max(k, min(n, math.ceil(self.keep_factor * y)))
+            raw = min(self.predictor.predict(phi), n) if phi is not None else 0.0
+            y = min(self.calibration * raw, n)
+            mix = fit_copy_acceptance(y, n, self.miss_rate)
+            k, rate = best_length(mix.expected, n, self.cost)
             options.append((rate, Choice(CACHE, k, y)))
         if model_len > 0:
-            k, rate = best_length(self.model_alpha, model_len, self.cost, self.model_token_s)
+            k, rate = best_length(geometric(self.model_alpha), model_len, self.cost,
+                                  self.model_token_s)
             options.append((rate, Choice(MODEL, k, y)))
         # max keeps the first of equal rates: none < cache < model in list order, so ties
         # go to the cheaper source.
         best = max(options, key=lambda o: o[0])[1]
-        return Choice(best.source, best.length, y)
+        return Choice(best.source, best.length, y, raw)
 
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
-        """Learn the model drafter's acceptance rate and drafting cost from its steps."""
-        if source != MODEL or draft_len == 0:
+        """Learn the model drafter's rate and cost, and the refuted cache drafts' rate β."""
+        if source != MODEL:
+            self._model.relax()
+        if draft_len == 0:
             return
-        self._hits = self.decay * self._hits + accepted
-        self._misses = self.decay * self._misses + (1.0 if accepted < draft_len else 0.0)
+        if source == CACHE:
+            if accepted < draft_len:  # refuted: a sample of the geometric branch
+                self._refuted.add(accepted, True)
+            return
+        if source != MODEL:
+            return
+        self._model.add(accepted, accepted < draft_len)
         if math.isfinite(draft_s):  # nan: a step whose time is not a per-token cost
             self._token_costs.append(draft_s / draft_len)
+
+
+    def outcome(self, raw: float, accepted: int) -> None:
+        """Calibrate: a cache draft rated ``raw`` had ``accepted`` tokens right at full length.
+
+        S ← d·S + x + (1 − d)·P for both sums: they relax to the prior P (r = 1) when
+        evidence stops; with steady evidence r = (ȳ/(1−d) + P) / (ŷ̄/(1−d) + P).
+        """
+        if not math.isfinite(raw):
+            return
+        d, prior = self._cal_decay, (1 - self._cal_decay) * self._cal_prior
+        self._cal_seen = d * self._cal_seen + accepted + prior
+        self._cal_expected = d * self._cal_expected + raw + prior
 
 
 def _memo(cost: Cost) -> Cost:

@@ -53,6 +53,11 @@ def add_train_predictor_parser(sub: Any) -> None:
                    help="workload data folder (default: $AGENTSPEC_DATA or the packaged fixture)")
     p.add_argument("--limit", type=_positive, default=TraceSpec.limit,
                    help=f"sessions per workload (default {TraceSpec.limit})")
+    p.add_argument("--exclude", default="",
+                   help="comma-separated session ids never to trace")
+    p.add_argument("--exclude-bench", action="store_true",
+                   help="never trace the sessions `make bench` measures (the first 5 of each "
+                        "workload in the packaged fixture), so benchmark figures stay held out")
     p.add_argument("--turns", type=_positive, default=TraceSpec.turns,
                    help=f"turns per session (default {TraceSpec.turns})")
     p.add_argument("--max-tokens", type=_positive, default=TraceSpec.max_tokens,
@@ -62,12 +67,16 @@ def add_train_predictor_parser(sub: Any) -> None:
                         f"(default {TraceSpec.max_total_tokens}; the CPU decodes ~15-25 tok/s)")
     p.add_argument("--save-traces", type=Path, default=None,
                    help="also copy the generated traces here")
-    p.add_argument("--max-draft", type=_positive, default=16,
-                   help="cache draft length during replay (the engine's max_draft, default 16)")
+    p.add_argument("--max-draft", type=_positive, default=32,
+                   help="cache draft length during replay: the engine's max_draft (default 32, "
+                        "as `agentspec bench` and `make bench` run)")
     p.add_argument("--val-fraction", type=float, default=0.3,
                    help="share of each workload's sessions held out (default 0.3)")
     p.add_argument("--epochs", type=_positive, default=400, help="Adam epochs (default 400)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split and the MLP")
+    p.add_argument("--no-residual", action="store_true",
+                   help="predict the accepted length from scratch instead of as a learned "
+                        "correction to the suffix tree's score (the default)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -76,6 +85,7 @@ def run_train_predictor(args: argparse.Namespace) -> int:
     from agentspec.models import agentspec_home
     from agentspec.payoff.defaults import token_table
     from agentspec.payoff.traces import (
+        bench_session_ids,
         generate_traces,
         read_traces,
         tokenizer_fingerprint,
@@ -85,7 +95,7 @@ def run_train_predictor(args: argparse.Namespace) -> int:
     from agentspec.targets.hf import HFTarget, TargetConfig
 
     cfg = TrainConfig(val_fraction=args.val_fraction, max_draft=args.max_draft,
-                      epochs=args.epochs, seed=args.seed)
+                      epochs=args.epochs, seed=args.seed, residual=not args.no_residual)
     progress = not args.no_progress
     if args.traces is not None:
         read_traces(args.traces)  # empty / malformed files fail before the model loads
@@ -94,10 +104,14 @@ def run_train_predictor(args: argparse.Namespace) -> int:
     if args.traces is not None:
         path = args.traces
     else:
+        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+        exclude = tuple(x.strip() for x in args.exclude.split(",") if x.strip())
+        if args.exclude_bench:
+            exclude += bench_session_ids(workloads)
         spec = TraceSpec(
-            workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+            workloads=workloads,
             limit=args.limit, turns=args.turns, max_tokens=args.max_tokens,
-            max_total_tokens=args.trace_tokens, data_dir=args.data,
+            max_total_tokens=args.trace_tokens, data_dir=args.data, exclude=exclude,
         )
         path = agentspec_home() / "traces" / spec.cache_key(target.name, fingerprint)
         if path.is_file():

@@ -1,7 +1,8 @@
 """Training the payoff predictor from greedy traces (``agentspec train-predictor``).
 
 Pipeline: validate traces -> split sessions (train / validation, per workload) -> replay
-both sides -> fit the MLP on MSE (best validation epoch) -> pick τ on validation ->
+both sides -> fit the MLP on MSE (epoch early-stopped on an inner split of the training
+sessions) -> pick τ on validation ->
 report held-out quality (MAE, RMSE, precision/recall of "accepted ≥ 6") next to two
 baselines: the suffix tree's own score used as the prediction, and the training mean.
 
@@ -28,7 +29,7 @@ from agentspec.payoff.replay import (
     replay,
     split_sessions,
 )
-from agentspec.payoff.traces import TraceError, TraceSet
+from agentspec.payoff.traces import Trace, TraceError, TraceSet
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,17 @@ class TrainConfig:
         seed: Seed of the split and the MLP's initialisation.
         folds: Session folds of the cross-validation in the report (skipped with fewer
             sessions than folds).
+        residual: Learn a correction to the suffix tree's score (see
+            :mod:`agentspec.payoff.predictor`) instead of ŷ from scratch.
     """
 
     val_fraction: float = 0.3
-    max_draft: int = 16
+    max_draft: int = 32
     hidden: int = 16
     epochs: int = 400
     seed: int = 0
     folds: int = 4
+    residual: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -95,8 +99,7 @@ def train_predictor(
             f"replay produced {len(x_tr)} training and {len(x_va)} validation cache drafts; "
             "both must be non-empty (add sessions or turns)"
         )
-    pred = PayoffPredictor.fit(x_tr, [float(y) for y in y_tr], x_va, [float(y) for y in y_va],
-                               hidden=cfg.hidden, epochs=cfg.epochs, seed=cfg.seed)
+    pred = fit_early_stopped(samples, traces.traces, train_ids, cfg)
     p_va = pred.predict_many(x_va)
     pred.tau = pick_tau(p_va, y_va)
     quality = evaluate(p_va, y_va, pred.tau)
@@ -118,7 +121,7 @@ def train_predictor(
         "seconds": 0.0,
     }
     if len(traces.traces) >= cfg.folds:
-        report["cross_validation"] = cross_validate(samples, cfg)
+        report["cross_validation"] = cross_validate(samples, traces.traces, cfg)
     for wl in sorted({s.workload for s in samples}):
         xs, ys = _rows([s for s in samples if s.session_id in val_ids and s.workload == wl])
         if xs:
@@ -137,12 +140,39 @@ def train_predictor(
     return pred, report
 
 
-def cross_validate(samples: Sequence[Sample], cfg: TrainConfig) -> dict[str, Any]:
+def fit_early_stopped(
+    samples: Sequence[Sample], traces: Sequence[Trace], train_ids: set[str], cfg: TrainConfig
+) -> PayoffPredictor:
+    """Fit on the ``train_ids`` sessions, early-stopped on an inner split of those sessions.
+
+    The MLP overfits a few dozen sessions within tens of epochs (position and prompt
+    length identify a session), so the epoch is chosen on sessions it does not train on;
+    those are carved out of ``train_ids`` (by session, per workload), never taken from
+    the held-out sessions, whose numbers therefore stay honest. With too few sessions for
+    an inner split it trains all ``cfg.epochs`` epochs.
+    """
+    inner_tr, inner_va = split_sessions([t for t in traces if t.session_id in train_ids],
+                                        cfg.val_fraction, cfg.seed + 1)
+    if not inner_va or not inner_tr:
+        inner_tr, inner_va = set(train_ids), set()
+    x_tr, y_tr = _rows([s for s in samples if s.session_id in inner_tr])
+    x_va, y_va = _rows([s for s in samples if s.session_id in inner_va])
+    if not x_tr or not x_va:  # an inner side without cache drafts: no early stopping
+        x_tr, y_tr = _rows([s for s in samples if s.session_id in train_ids])
+        x_va, y_va = [], []
+    return PayoffPredictor.fit(x_tr, [float(y) for y in y_tr], x_va, [float(y) for y in y_va],
+                               hidden=cfg.hidden, epochs=cfg.epochs, seed=cfg.seed,
+                               residual=cfg.residual)
+
+
+def cross_validate(
+    samples: Sequence[Sample], traces: Sequence[Trace], cfg: TrainConfig
+) -> dict[str, Any]:
     """Grouped k-fold cross-validation by session: every session is predicted once by a
     model that never saw it, so the pooled numbers use all the data yet stay held-out.
 
-    Each fold's model trains for ``cfg.epochs`` epochs (no early stopping: that would
-    peek at the held-out fold) and picks its τ on its own training rows.
+    Each fold's model is early-stopped on an inner split of its own training sessions
+    (:func:`fit_early_stopped`) and picks its τ on its own training rows.
     """
     import random
 
@@ -168,8 +198,8 @@ def cross_validate(samples: Sequence[Sample], cfg: TrainConfig) -> dict[str, Any
         x_te, y_te = _rows([s for s in samples if fold_of[s.session_id] == f])
         if not x_tr or not x_te:
             continue
-        pred = PayoffPredictor.fit(x_tr, [float(y) for y in y_tr], [], [],
-                                   hidden=cfg.hidden, epochs=cfg.epochs, seed=cfg.seed)
+        pred = fit_early_stopped(samples, traces,
+                                 {sid for sid, fold in fold_of.items() if fold != f}, cfg)
         tau = pick_tau(pred.predict_many(x_tr), y_tr)
         p_te = pred.predict_many(x_te)
         preds += p_te

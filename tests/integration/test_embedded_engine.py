@@ -15,7 +15,7 @@ from agentspec.chat import render_prompt
 from agentspec.drafters import OracleDrafter, PromptLookupDrafter, SuffixDrafter
 from agentspec.drafters.session_cache import SuffixConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
-from agentspec.errors import ModelLoadError
+from agentspec.errors import BenchmarkError, ModelLoadError
 from agentspec.models import _convert_gguf, _embedded_gguf
 from agentspec.targets.hf import HFTarget
 
@@ -160,3 +160,29 @@ def test_cli_bench_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "speed-up" in proc.stdout and "prompt_lookup" in proc.stdout
     assert all(r["identical_to_greedy"] for r in json.loads(out.read_text())["results"])
+
+
+def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -> None:
+    from workflows.interleaved import Part, format_table, parse_mix, run
+
+    report = run(["prompt_lookup", "suffix", "oracle"], [Part("smoke", 1, 2)],
+                 progress=False, target=embedded_target)
+    pooled = report["pooled"]
+    assert set(pooled) == {"prompt_lookup", "suffix", "oracle"}
+    # Every method decoded the same tokens (checked per turn), and the pool is their sum.
+    assert len({p["tokens"] for p in pooled.values()}) == 1
+    assert pooled["suffix"]["tokens"] == sum(t["tokens"] for t in report["turns"]) > 0
+    assert report["workloads"]["smoke"]["suffix"] == pooled["suffix"]
+    # The oracle, fed the common output, is the forward-count ceiling.
+    assert pooled["oracle"]["forwards_per_1k"] <= pooled["suffix"]["forwards_per_1k"]
+    ratio = report["pooled_ratios"]["prompt_lookup_over_suffix"]
+    assert ratio == pytest.approx(pooled["prompt_lookup"]["tokens_per_s"]
+                                  / pooled["suffix"]["tokens_per_s"], rel=1e-3)
+    assert "prompt_lookup / suffix pooled" in format_table(report)
+    assert parse_mix("delegate52:5x4, chat:3x2") == [Part("delegate52", 5, 4),
+                                                      Part("chat", 3, 2)]
+    for bad in ("delegate52", "chat:0x2", "chat:3y2", ""):
+        with pytest.raises(BenchmarkError):
+            parse_mix(bad)
+    with pytest.raises(BenchmarkError, match="two or more"):
+        run(["suffix"], [Part("smoke", 1, 1)], target=embedded_target)

@@ -5,6 +5,7 @@ failing clearly without a trained drafter."""
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import pytest
 
@@ -144,23 +145,26 @@ def test_hvd_methods_fail_clearly_without_a_drafter(
         build_method(method, MethodContext(tiny_target))
 
 
-def test_first_model_step_of_a_request_is_not_a_cost_sample(tiny_target) -> None:  # type: ignore[no-untyped-def]
-    """The model drafter's first draft of a request also syncs it with the whole prompt;
-    its time must not be learned as a per-token cost (it once priced the EAGLE head out
-    of every later step)."""
+def test_model_sync_steps_are_not_cost_samples(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """A model draft that follows the request start or a step of another source also syncs
+    the drafter with the tokens committed meanwhile; its time must not be learned as a
+    per-token cost (it once priced the EAGLE head out of every later step)."""
     import math
 
     from agentspec.drafters import OracleDrafter
-    from agentspec.payoff.policy import MODEL, Choice
+    from agentspec.payoff.policy import MODEL, NONE, Choice
 
     class AlwaysModel:
         name, needs_features = "always_model", False
 
-        def __init__(self) -> None:
+        def __init__(self, every: int = 1) -> None:
             self.costs: list[float] = []
+            self.every, self.n = every, 0
 
         def choose(self, cache, model_len, phi):  # type: ignore[no-untyped-def]
-            return Choice(MODEL, model_len)
+            self.n += 1  # with every=3: model, none, none, model, ...
+            return Choice(MODEL if self.n % self.every == 1 % self.every else NONE,
+                          model_len)
 
         def update(self, source, draft_len, accepted, draft_s):  # type: ignore[no-untyped-def]
             self.costs.append(draft_s)
@@ -174,3 +178,73 @@ def test_first_model_step_of_a_request_is_not_a_cost_sample(tiny_target) -> None
         eng.generate(prompt, max_tokens=6)
         assert math.isnan(policy.costs[0])
         assert all(math.isfinite(c) for c in policy.costs[1:]) and len(policy.costs) > 1
+    # Model steps between plain steps each sync first: none is a cost sample.
+    policy = AlwaysModel(every=3)
+    hybrid = HybridDrafter(SuffixDrafter(), model, policy, None, model_max=2)  # type: ignore[arg-type]
+    eng = SpeculativeDecoder(tiny_target, hybrid, config=EngineConfig(max_draft=4))
+    eng.generate([5, 6, 7, 8], max_tokens=12)
+    model_costs = [c for n, c in enumerate(policy.costs, start=1) if n % 3 == 1]
+    assert len(model_costs) >= 2 and all(math.isnan(c) for c in model_costs)
+
+
+def test_full_length_labels() -> None:
+    from agentspec.drafters.hybrid import full_length_label
+
+    assert full_length_label([1, 2, 3], [1, 2]) is None  # not known yet
+    assert full_length_label([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert full_length_label([1, 2, 3], [1, 9]) == 1
+    assert full_length_label([1, 2, 3], []) is None
+    assert full_length_label([], [5]) == 0
+
+
+def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """The policy learns what each cache draft would have scored at full length, from the
+    tokens committed later, even when only one token of it was verified or the model won."""
+    from agentspec.drafters import OracleDrafter
+    from agentspec.drafters.hybrid import full_length_label
+    from agentspec.payoff.policy import CACHE, MODEL, Choice
+
+    class CutEverything:
+        name, needs_features = "cut", False
+
+        def __init__(self) -> None:
+            self.outcomes: list[tuple[float, int]] = []
+            self.n = 0
+
+        def choose(self, cache, model_len, phi):  # type: ignore[no-untyped-def]
+            self.n += 1
+            return Choice(CACHE if self.n % 2 else MODEL, 1, 5.0, float(self.n))
+
+        def update(self, source, draft_len, accepted, draft_s):  # type: ignore[no-untyped-def]
+            pass
+
+        def outcome(self, raw, accepted):  # type: ignore[no-untyped-def]
+            self.outcomes.append((raw, accepted))
+
+    class Recording(HybridDrafter):
+        shadows: ClassVar[list[tuple[int, tuple[int, ...], float]]] = []
+
+        def propose(self, ctx, max_tokens):  # type: ignore[no-untyped-def]
+            before = len(self._shadow)
+            draft = super().propose(ctx, max_tokens)
+            if len(self._shadow) > before or (self._shadow and self._shadow[-1][0] ==
+                                              len(ctx.tokens)):
+                self.shadows.append(self._shadow[-1])
+            return draft
+
+    policy = CutEverything()
+    hybrid = Recording(SuffixDrafter(), OracleDrafter({}), policy, None, model_max=2)  # type: ignore[arg-type]
+    eng = SpeculativeDecoder(tiny_target, hybrid, config=EngineConfig(max_draft=8))
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    # The same request twice in one session: the second time the cache holds the answer,
+    # so its drafts are long and right, but only one token of each is ever verified.
+    eng.generate(prompt, max_tokens=40, session=SessionRef("s"))
+    Recording.shadows.clear()
+    policy.outcomes.clear()
+    out = eng.generate(prompt, max_tokens=40, session=SessionRef("s"))
+    final = prompt + list(out.tokens)
+    expected = [full_length_label(d, final[start:]) for start, d, _ in Recording.shadows]
+    known = expected[: expected.index(None)] if None in expected else expected
+    assert len(known) >= 3 and max(known) > 1  # more than the one verified token
+    assert policy.outcomes == [(raw, y) for (_, _, raw), y in zip(Recording.shadows, known,
+                                                                 strict=False)]

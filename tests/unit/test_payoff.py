@@ -13,10 +13,13 @@ from agentspec.drafters.session_cache import SuffixDrafter
 from agentspec.payoff.features import FEATURE_NAMES, NUM_FEATURES, TokenTable, features
 from agentspec.payoff.policy import (
     ArcticRule,
+    CopyAcceptance,
     CostAwarePolicy,
     ThresholdPolicy,
     best_length,
     expected_accepted,
+    fit_copy_acceptance,
+    geometric,
     solve_alpha,
 )
 from agentspec.payoff.predictor import PayoffPredictor, PredictorError
@@ -139,10 +142,31 @@ def _synthetic(n: int, seed: int) -> tuple[list[list[float]], list[float]]:
     return xs, [2.0 * x[0] + (3.0 if x[9] > 1.5 else 0.0) for x in xs]
 
 
+def test_residual_predictor_corrects_the_suffix_score(tmp_path: Path) -> None:
+    import math
+
+    score = FEATURE_NAMES.index("log_score")
+    x, _ = _synthetic(300, 0)
+    xv, _ = _synthetic(100, 1)
+
+    def truth(r: list[float]) -> float:  # the tree's score, corrected by a context feature
+        return math.expm1(r[score]) + (4.0 if r[9] > 1.5 else -1.0)
+
+    y, yv = [truth(r) for r in x], [truth(r) for r in xv]
+    pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0)
+    assert pred.residual
+    as_score = [math.expm1(r[score]) for r in xv]
+    err = evaluate(pred.predict_many(xv), [round(v) for v in yv], 6).mae
+    assert err < 0.4 * evaluate(as_score, [round(v) for v in yv], 6).mae
+    pred.save(tmp_path / "r.json")
+    back = PayoffPredictor.load(tmp_path / "r.json")
+    assert back.residual and back.predict(xv[0]) == pytest.approx(pred.predict(xv[0]), abs=1e-3)
+
+
 def test_predictor_fits_and_round_trips(tmp_path: Path) -> None:
     x, y = _synthetic(300, 0)
     xv, yv = _synthetic(100, 1)
-    pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0)
+    pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0, residual=False)
     mean = sum(y) / len(y)
     assert evaluate(pred.predict_many(xv), [round(v) for v in yv], 6).mae < \
         0.65 * evaluate([mean] * len(yv), [round(v) for v in yv], 6).mae
@@ -180,6 +204,44 @@ def test_acceptance_model_inverts() -> None:
     assert solve_alpha(0.0, 5) == 0.0 and solve_alpha(9.0, 5) == 1.0
 
 
+def test_copy_mixture_matches_the_prediction_and_keeps_likely_copies_whole() -> None:
+    # E_n of the fitted mixture is ŷ, above and below the refuted-draft curve G_n(β).
+    for y in (0.4, 0.9, 5.0, 20.0, 31.5):
+        mix = fit_copy_acceptance(y, 32, 0.5)
+        assert mix.expected(32) == pytest.approx(y, abs=1e-6)
+        assert (mix.full > 0) == (y > expected_accepted(0.5, 32))
+    assert fit_copy_acceptance(0.0, 32, 0.5) == CopyAcceptance(0.0, 0.0)
+    # CPU-like c(k) (the embedded model's measured curve, roughly): a copy predicted to be
+    # accepted ~13 of 32 tokens is kept whole under the mixture, because a 32-token verify
+    # costs little more than a 16-token one. The geometric model alone (one rate solved
+    # from the same ŷ) cuts it, which is what lost 18 % on the relay.
+    def cpu(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    k_mix, _ = best_length(fit_copy_acceptance(13.0, 32, 0.5).expected, 32, cpu)
+    k_geo, _ = best_length(geometric(solve_alpha(13.0, 32)), 32, cpu)
+    assert k_mix == 32 and k_geo < 24
+    # A refuted-looking draft is still cut when verification is expensive.
+    k_low, _ = best_length(fit_copy_acceptance(0.8, 32, 0.5).expected, 32, lambda k: float(k))
+    assert k_low <= 2
+
+
+def test_cost_aware_policy_learns_the_refuted_rate_from_cache_steps() -> None:
+    pol = CostAwarePolicy(constant_predictor(4.0), lambda k: 1.0 + 0.05 * k, miss_rate=0.5)
+    for _ in range(40):
+        pol.update("cache", 16, 1, 0.0)  # refuted after one token: β -> 1/2
+    assert pol.miss_rate == pytest.approx(0.5, abs=0.02)
+    for _ in range(40):
+        pol.update("cache", 16, 9, 0.0)  # refuted after nine: β -> 0.9
+    assert pol.miss_rate > 0.8
+    before = pol.miss_rate
+    pol.update("cache", 16, 16, 0.0)  # a fully accepted draft is not a refuted sample
+    pol.update("model", 4, 0, 0.01)   # nor is a model step
+    assert pol.miss_rate == before
+    with pytest.raises(ValueError, match="miss_rate"):
+        CostAwarePolicy(constant_predictor(1.0), float, miss_rate=0.0)
+
+
 def test_cost_aware_policy_picks_the_higher_tokens_per_cost_source() -> None:
     def cost(k: int) -> float:
         return 1.0 + 0.05 * k  # CPU-like: long verifies cost little more
@@ -189,8 +251,9 @@ def test_cost_aware_policy_picks_the_higher_tokens_per_cost_source() -> None:
     for y_hat, want in ((10.0, "cache"), (0.2, "model")):
         pol = CostAwarePolicy(constant_predictor(y_hat), cost, model_alpha=0.6)
         choice = pol.choose(cache, 6, phi)
-        _, rc = best_length(solve_alpha(min(y_hat, 12), 12), 12, cost)
-        _, rm = best_length(pol.model_alpha, 6, cost)
+        mix = fit_copy_acceptance(min(y_hat, 12), 12, pol.miss_rate)
+        _, rc = best_length(mix.expected, 12, cost)
+        _, rm = best_length(geometric(pol.model_alpha), 6, cost)
         assert choice.source == want == ("cache" if rc >= rm else "model")
         assert choice.predicted == pytest.approx(y_hat)
     # Expensive verification truncates a doubtful cache draft at its useful length.
@@ -281,3 +344,48 @@ def test_train_predictor_cli_help_and_refusal(tmp_path: Path, capsys) -> None:  
     assert main(["train-predictor", "--traces", str(empty), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "train-predictor: error" in err and "empty.jsonl" in err and "empty" in err
+
+
+def test_traced_sessions_leave_out_the_benchmarked_ones() -> None:
+    from agentspec.payoff.traces import TraceSpec, bench_session_ids, select_sessions
+
+    bench = bench_session_ids(["delegate52", "chat"])
+    assert len(bench) == 10 and "chat-00" in bench and "delegate52-accounting" in bench
+    spec = TraceSpec(workloads=("delegate52", "chat"), limit=2, turns=1, exclude=bench)
+    picked = [s.session_id for q in select_sessions(spec) for _, s in q]
+    assert len(picked) == 4 and not set(picked) & set(bench)
+    assert picked[2:] == ["chat-05", "chat-06"]  # the next ones, in order
+    assert spec.cache_key("m", "t") != TraceSpec(workloads=("delegate52", "chat"), limit=2,
+                                                 turns=1).cache_key("m", "t")
+
+
+def test_cost_aware_policy_calibrates_the_predictor_online() -> None:
+    """A predictor that overrates (or underrates) drafts on the traffic at hand is rescaled
+    by r = Σ y / Σ ŷ over full-length outcomes; other steps leave r alone."""
+    cache = Draft(tokens=list(range(20)), score=3.0, match_len=4, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+
+    def cost(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    over = CostAwarePolicy(constant_predictor(6.0), cost)
+    assert over.calibration == 1.0
+    first = over.choose(cache, 2, phi)
+    assert first.raw == first.predicted == 6.0
+    for _ in range(30):
+        over.outcome(6.0, 1)  # rated 6, right for 1 token
+    assert over.calibration < 0.4
+    assert over.choose(cache, 2, phi).predicted < 6.0 * 0.4  # ŷ is rescaled
+    assert over.choose(cache, 2, phi).raw == 6.0
+    under = CostAwarePolicy(constant_predictor(4.0), cost)
+    for _ in range(30):
+        under.outcome(4.0, 20)  # rated 4, the whole 20-token draft was right
+    assert under.calibration > 2.0 and under.choose(cache, 2, phi).length == 20
+    for _ in range(200):  # verified steps are not outcomes: r keeps its value
+        under.update("model", 2, 1, 0.002)
+        under.update("cache", 20, 3, 0.0)
+    assert under.calibration > 2.0
+    under.outcome(math.nan, 0)  # no prediction: ignored
+    assert under.calibration > 2.0
+    with pytest.raises(ValueError, match="calibration"):
+        CostAwarePolicy(constant_predictor(1.0), cost, calibration_decay=0.0)
