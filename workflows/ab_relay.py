@@ -10,11 +10,10 @@ of summed engine times is the drift-free speed ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from workflows.interleaved import Part, format_table, run
+from workflows.interleaved import Part, emit, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,12 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-draft", type=int, default=32, help="longest draft (default 32)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = p.parse_args(argv)
-    report = run(args.methods.split(","), [Part("delegate52", args.limit, args.turns)],
-                 args.max_draft)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-    print(format_table(report))
+    emit(run(args.methods.split(","), [Part("delegate52", args.limit, args.turns)],
+             args.max_draft), args.out)
     return 0
 
 

@@ -196,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = run([m.strip() for m in args.methods.split(",") if m.strip()],
                  parse_mix(args.mix), args.max_draft, progress=not args.no_progress)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-    print(format_table(report))
+    emit(report, args.out)
     return 0
+
+
+def emit(report: dict[str, Any], out: Path | None) -> None:
+    """Write the report as JSON (when ``out`` is given) and print its table."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+    print(format_table(report))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ Cost model: ``c(k) = 1 + cost_per_token · k`` relative to a one-token forward
 (``AGENTSPEC_VLLM_COST_PER_TOKEN``; default 0.04, the slope of the measured CPU curve on
 this project's machines; on GPUs small drafts are nearly free, use ~0.01).
 
+The policy's online calibration of ŷ (:meth:`~agentspec.payoff.policy.CostAwarePolicy.outcome`,
+fed with full-length labels by ``HybridDrafter`` in-process) is not wired into the proposer
+yet, so here ŷ is used as trained.
+
 Enable with ``AGENTSPEC_VLLM_PAYOFF=cost_aware`` (default ``off``). The shipped predictor
 is trained for the embedded model's tokenizer; ``AGENTSPEC_VLLM_PREDICTOR`` names another
 (``agentspec train-predictor``). A predictor made for another vocabulary or tokenizer is

@@ -243,15 +243,21 @@ def _constant_predictor(y: float) -> Any:
                            [([[0.0] * NUM_FEATURES], [y])])
 
 
-@pytest.mark.parametrize(("y_hat", "expected"), [(0.0, 0), (2.0, None), (100.0, 8)])
+# (ŷ, verify cost per draft token relative to a plain step, expected length): a middling
+# prediction is cut when draft tokens are dear, and kept whole when they are cheap (a copy
+# predicted at 2 of 8 tokens may well be a copy accepted to its end; see the policy's
+# mixture acceptance model).
+@pytest.mark.parametrize(("y_hat", "per_token", "expected"),
+                         [(0.0, 0.04, 0), (2.0, 0.3, None), (2.0, 0.04, 8), (100.0, 0.04, 8)])
 def test_payoff_gate_cuts_drafts_to_their_useful_length(
-    y_hat: float, expected: int | None
+    y_hat: float, per_token: float, expected: int | None
 ) -> None:
     from adapters.vllm.payoff_gate import PayoffGate
     from agentspec.payoff.features import TokenTable
 
     runner = FakeModelRunner(k=8)
-    runner.drafter.gate = PayoffGate(_constant_predictor(y_hat), TokenTable.blank(1000))
+    runner.drafter.gate = PayoffGate(_constant_predictor(y_hat), TokenTable.blank(1000),
+                                     cost_per_token=per_token)
     runner.start(0, "a", PROMPT + PROMPT[:3])
     (draft,) = runner.step({0: [PROMPT[3]]})
     if expected is None:  # a middling prediction: a shorter, cost-effective draft
