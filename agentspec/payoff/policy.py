@@ -280,8 +280,8 @@ class CostAwarePolicy:
         decay: Per-step forgetting of the acceptance counts (adapts to the workload: chat
             and copying turns differ).
         miss_rate: Prior β, the per-token acceptance rate of cache drafts that get refuted.
-        calibration_decay: Per-cache-step forgetting of the calibration sums (0.9: about
-            the last ten cache steps); 1.0 with ``calibration_prior`` large turns it off.
+        calibration_decay: Per-outcome forgetting of the calibration sums (0.9: about the
+            last ten cache drafts); a very large ``calibration_prior`` turns calibration off.
         calibration_prior: Weight of the prior r = 1, in expected tokens.
     """
 
@@ -316,9 +316,9 @@ class CostAwarePolicy:
             self.cost(k)
         self._model = _RateEstimate(model_alpha, prior_steps, decay)
         self._refuted = _RateEstimate(miss_rate, prior_steps, decay)  # β of cache drafts
-        # Model drafting seconds per token: the median of recent steps (0 until measured,
-        # so the model gets tried). A median, because the first model step after a run of
-        # cache steps also feeds the drafter every token it missed, an outlier.
+        # Model drafting seconds per token: the median of recent back-to-back model steps
+        # (0 until measured, so the model gets tried); a median, so that one slow step (a
+        # garbage collection, a busy machine) does not price the model out.
         self._token_costs: deque[float] = deque(maxlen=9)
         # Calibration sums: full-length accepted tokens y and predictions ŷ of cache drafts.
         self._cal_prior, self._cal_decay = calibration_prior, calibration_decay
