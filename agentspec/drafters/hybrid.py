@@ -29,6 +29,7 @@ from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
+from agentspec.payoff.replay import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["HybridDrafter"]
@@ -41,12 +42,8 @@ def full_length_label(draft: Sequence[int], continuation: Sequence[int]) -> int 
     """How many tokens of ``draft`` the true ``continuation`` confirms, once it is known:
     the common prefix length if a mismatch is seen or the whole draft matched, ``None``
     while the continuation is still shorter than that (the label is not known yet)."""
-    m = 0
-    for d, c in zip(draft, continuation, strict=False):
-        if d != c:
-            return m
-        m += 1
-    return m if m == len(draft) else None
+    m = common_prefix(draft, continuation)
+    return m if m == len(draft) or m < len(continuation) else None
 
 
 class HybridDrafter:
