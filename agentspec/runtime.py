@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.chat import render_prompt
-from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
-from agentspec.engine import EngineConfig, Generation, SpeculativeDecoder
+from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.errors import ConfigError
-from agentspec.interfaces import Drafter, Verifier
+from agentspec.factory import build_drafter, build_engine
+from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
 from agentspec.types import RequestStats, SamplingParams, SessionRef
-from agentspec.verifiers import build_verifier
 
 log = logging.getLogger(__name__)
 
@@ -187,53 +186,13 @@ class Runtime:
         d = spec.drafting
         key = (d.method, d.scope, d.max_draft, d.draft_model or "")
         if key not in self._drafters:
-            drafter: Drafter | None
-            if d.method == "none":
-                drafter = None
-            elif d.method == "prompt_lookup":
-                drafter = PromptLookupDrafter()
-            elif d.method == "suffix":
-                drafter = SuffixDrafter(
-                    SuffixConfig(scope=d.scope, max_tokens=d.max_draft), store=self.store
-                )
-            elif d.method == "arctic_suffix":
-                from agentspec.drafters import ArcticSuffixDrafter
-
-                drafter = ArcticSuffixDrafter()
-            elif d.method in ("model", "hybrid"):
-                drafter = self._hvd_drafter(spec)
-            else:
-                raise ConfigError(f"drafting method {d.method!r} is not available in this build")
-            self._drafters[key] = drafter
+            self._drafters[key] = build_drafter(spec, self.target, self.store)
         return self._drafters[key]
-
-    def _hvd_drafter(self, spec: AgentSpec) -> Drafter:
-        """The model drafter (``model``) or HVD over the session cache and it (``hybrid``).
-
-        Raises:
-            ConfigError: the model drafter or the payoff predictor cannot be loaded.
-        """
-        from agentspec.errors import AgentSpecError
-        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
-
-        d = spec.drafting
-        try:
-            model = load_model_drafter(self.target, d.draft_model)
-            if d.method == "model":
-                return model
-            cache = SuffixDrafter(SuffixConfig(scope=d.scope, max_tokens=d.max_draft),
-                                  store=self.store)
-            return build_hybrid(self.target, "cost_aware", cache=cache, model=model)
-        except AgentSpecError as exc:
-            raise ConfigError(f"drafting method {d.method!r}: {exc}") from None
 
     def engine_for(self, spec: AgentSpec) -> SpeculativeDecoder:
         """A decoder configured by ``spec`` (drafters are shared across calls)."""
-        verifier: Verifier = build_verifier(spec.verifier)
-        return SpeculativeDecoder(
-            self.target, self.drafter_for(spec), verifier, decode=self.decode,
-            eos_token_ids=self.eos_ids, config=EngineConfig(max_draft=spec.drafting.max_draft),
-        )
+        return build_engine(spec, self.target, self.drafter_for(spec), decode=self.decode,
+                            eos_token_ids=self.eos_ids)
 
     def prompt_ids(
         self,
