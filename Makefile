@@ -35,6 +35,7 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check agentspec adapters workflows examples tests
 	$(VENV)/bin/mypy agentspec adapters workflows
+	$(VENV)/bin/lint-imports
 
 test-unit: venv
 	$(PY) -m pytest tests/unit -q

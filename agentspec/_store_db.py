@@ -1,6 +1,7 @@
 """The SQLite file under :class:`agentspec.store.SessionStore`.
 
-This layer knows nothing about sessions: it opens the file (WAL mode, schema, an optional
+This layer holds the file's schema (the sessions tables below) but none of the session
+logic: it opens the file (WAL mode, schema, an optional
 ``PRAGMA quick_check``), runs callables in ``BEGIN IMMEDIATE`` transactions, retries while
 other processes hold the write lock, turns SQLite's CORRUPT/NOTADB errors into
 :class:`StoreCorruptError`, and, in recover mode, moves a damaged file aside and starts an

@@ -1,4 +1,11 @@
-"""The ``agentspec`` command line: demo, bench, report, sessions, generate."""
+"""The ``agentspec`` command line: demo, bench, report, serve, sessions, train-*, generate.
+
+This module is the one composition root of the project: the only module under
+``agentspec/`` that imports ``workflows`` (the benchmark harness, the workloads as training
+data) and ``adapters`` (the OpenAI-compatible server), always inside the command that needs
+them. Everything else in ``agentspec`` is imported by them, never the other way round (the
+import-linter contracts in ``.importlinter`` enforce it).
+"""
 
 from __future__ import annotations
 
@@ -139,16 +146,18 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from agentspec.chat import render_prompt
-    from agentspec.drafters import PromptLookupDrafter
-    from agentspec.engine import SpeculativeDecoder
+    from agentspec.factory import build_drafter, build_engine
+    from agentspec.spec import AgentSpec, DraftingPolicy
     from agentspec.targets.hf import HFTarget, TargetConfig
+    from agentspec.tokens import eos_ids
 
     target = HFTarget.load(TargetConfig(model=args.model))
     tok = target.tokenizer
-    drafter = PromptLookupDrafter() if args.drafter == "prompt_lookup" else None
-    engine = SpeculativeDecoder(
-        target, drafter, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        eos_token_ids=[tok.eos_token_id],
+    # The one factory builds the parts, as for the runtime (max_draft: the engine default).
+    spec = AgentSpec(drafting=DraftingPolicy(method=args.drafter, max_draft=16))
+    engine = build_engine(
+        spec, target, build_drafter(spec, target),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos_token_ids=eos_ids(tok),
     )
     prompt = render_prompt(tok, [{"role": "user", "content": args.prompt}])
     result: list = []
@@ -179,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "train-predictor":
             from agentspec.payoff.train_cli import run_train_predictor
+            from workflows.training_data import WORKLOAD_SESSIONS
 
-            return run_train_predictor(args)
+            return run_train_predictor(args, WORKLOAD_SESSIONS)
         if args.command == "train-drafter":
             from agentspec.train_drafter_cli import run_train_drafter
+            from workflows.training_data import WORKLOAD_DOCUMENTS
 
-            return run_train_drafter(args)
+            return run_train_drafter(args, WORKLOAD_DOCUMENTS)
         if args.command == "sessions":
             from agentspec.sessions_cli import run_sessions
 

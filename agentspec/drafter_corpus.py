@@ -9,9 +9,10 @@ Two sources, both cheap on a CPU:
   step, so the teacher signal costs nothing beyond the generation itself. These are the
   contexts a drafter meets in practice: the target's own greedy outputs.
 * **Teacher-forced documents.** Workload documents (DELEGATE-52 seed excerpts re-emitted
-  after an edit instruction, EditEval code edits) are rendered as a chat turn whose
-  assistant part is the real text; one forward of the target gives the teacher at every
-  assistant position.
+  after an edit instruction, EditEval code edits; handed in by the caller, the
+  ``workflows`` package's ``document_pairs``: training never imports the harness) are
+  rendered as a chat turn whose assistant part is the real text; one forward of the target
+  gives the teacher at every assistant position.
 
 Only the top-K (default 16) teacher log-probs are kept: full ``[T, V]`` logits would be
 ~200 KB per token. Position ``t`` of a sequence predicts token ``t + 1``.
@@ -29,8 +30,7 @@ import torch
 
 from agentspec.errors import TrainingDataError
 
-__all__ = ["TeacherSeq", "document_pairs", "teacher_force", "teacher_generate",
-           "training_prompts"]
+__all__ = ["TeacherSeq", "teacher_force", "teacher_generate", "training_prompts"]
 
 _TOPICS = (
     "the moon", "volcanoes", "the internet", "bicycles", "coffee", "the Roman Empire",
@@ -107,31 +107,6 @@ def training_prompts(count: int, seed: int = 0, exclude: Sequence[str] = ()) -> 
     pool = [p for p in pool if p.lower() not in banned]
     rng.shuffle(pool)
     return pool[:count]
-
-
-def document_pairs(folder: Any, seed: int = 0) -> list[tuple[str, str]]:
-    """(user message, assistant text) pairs from the workload data in ``folder``.
-
-    DELEGATE-52: an edit instruction plus the seed excerpt, answered by the excerpt itself
-    (relays re-emit documents). EditEval: the instruction plus the code, answered by the
-    reference solution.
-
-    Raises:
-        TrainingDataError: the folder yields no document.
-    """
-    from workflows.datasets import load_delegate52, load_editeval
-
-    pairs: list[tuple[str, str]] = []
-    for dom in load_delegate52(folder):
-        edit = dom.edits[0].backward if dom.edits else "Rewrite the document."
-        pairs.append((f"{edit}\n\n{dom.seed_excerpt}", dom.seed_excerpt))
-    for task in load_editeval(folder):
-        pairs.append((f"{task.instruction}\n\n{task.input}", task.output))
-    pairs = [(u, a) for u, a in pairs if a.strip()]
-    if not pairs:
-        raise TrainingDataError(f"the data folder {folder} holds no documents to train on")
-    random.Random(seed).shuffle(pairs)
-    return pairs
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

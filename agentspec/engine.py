@@ -19,14 +19,17 @@ import torch
 
 from agentspec.errors import ConfigError, DraftError, PromptTooLongError
 from agentspec.interfaces import (
+    BatchTarget,
     Drafter,
     FeatureDrafter,
     FeatureTarget,
+    PositionLimited,
     RequestAware,
     Target,
     Verifier,
 )
 from agentspec.sampling import default_generator
+from agentspec.tokens import cut_at_stop
 from agentspec.types import (
     Draft,
     DraftContext,
@@ -50,7 +53,7 @@ class EngineConfig:
         max_draft: Longest draft verified in one forward. On CPU a forward over 4-32 tokens
             costs 1.3-2.2x a single-token forward, so long drafts pay off when they hit.
         min_draft: Drafts shorter than this are dropped (decoded one token at a time):
-            k = 2-3 runs as slow matrix-vector products on MKL, see DESIGN.md.
+            on CPU, k = 2-3 runs as slow matrix-vector products on MKL.
         max_branches: Most branches of a tree draft verified per step (one batch row
             each, see :mod:`agentspec.verifiers.tree`); the longest are kept.
     """
@@ -144,9 +147,7 @@ class _StopChecker:
         """Decoded output, cut before the first stop string."""
         if self.decode is None:
             return ""
-        text = self.decode(tokens)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return cut_at_stop(self.decode(tokens), self.stop)
 
 
 class SpeculativeDecoder:
@@ -357,7 +358,7 @@ class SpeculativeDecoder:
             raise ConfigError("prompt must hold at least one token")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
-        limit = getattr(self.target, "max_positions", None)
+        limit = self.target.max_positions if isinstance(self.target, PositionLimited) else None
         if limit is not None and len(prompt) + max_tokens > limit:
             raise PromptTooLongError(
                 f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
@@ -379,14 +380,17 @@ class SpeculativeDecoder:
         if self.drafter is None or max_tokens < self.config.min_draft:
             return Draft(source="none")
         draft = self.drafter.propose(ctx, max_tokens)
-        vocab = self.target.vocab_size
-        if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab:
-            raise DraftError(
-                f"drafter {draft.source!r} proposed token ids outside [0, {self.target.vocab_size})"
-            )
+        self._check_ids(draft)
         if len(draft.tokens) < self.config.min_draft:
             return Draft(source="none")
         return draft.truncated(max_tokens)
+
+    def _check_ids(self, draft: Draft) -> None:
+        """Raise :class:`DraftError` for a draft with ids outside ``[0, V)`` (both engines
+        refuse an out-of-vocabulary draft the same way)."""
+        vocab = self.target.vocab_size
+        if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab:
+            raise DraftError(f"drafter {draft.source!r} proposed token ids outside [0, {vocab})")
 
     def _verify_tree(self, pending: int, draft: Draft, sampling: SamplingParams) -> VerifyResult:
         """Verify a tree draft greedily, one branch per batch row (lossless; see
@@ -396,22 +400,21 @@ class SpeculativeDecoder:
             ConfigError: a sampled request, an approximate verifier, or a target that
                 cannot score batches.
         """
-        score_batch = getattr(self.target, "score_batch", None)
-        select_row = getattr(self.target, "select_row", None)
         if not sampling.greedy or not self.verifier.lossless:
             raise ConfigError(
                 f"drafter {draft.source!r} returned a tree draft: trees are verified with "
                 "strict greedy decoding only (use chain drafts for sampling or ASD)"
             )
-        if score_batch is None or select_row is None:
+        target = self.target
+        if not isinstance(target, BatchTarget):
             raise ConfigError(
-                f"drafter {draft.source!r} returned a tree draft but the target has no "
-                "score_batch/select_row to verify its branches"
+                f"drafter {draft.source!r} returned a tree draft but the target is no "
+                "BatchTarget (score_batch/select_row) to verify its branches"
             )
         rows, paths = branch_rows(draft, pending, self.config.max_branches)
-        logits = score_batch(rows)  # [K, k+1, V]
+        logits = target.score_batch(rows)  # [K, k+1, V]
         row, n, token = greedy_branch_accept(rows, logits)
-        select_row(row)
+        target.select_row(row)
         self.target.rollback(len(rows[row]) - 1 - n)
         accepted = list(rows[row][1 : n + 1])
         # Accepted padding (a short branch's repeated last token) has no tree node.

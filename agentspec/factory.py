@@ -2,27 +2,51 @@
 
 Everything that decodes for an agent builds its parts here, so what the benchmarks and the
 trace replay measure is what the product ships: :class:`~agentspec.runtime.Runtime`, the
-vLLM backend, the benchmark methods, the CLI and the trace generator all call
-:func:`build_drafter` / :func:`build_engine`.
+vLLM backend (its agentspec proposer's drafter, the suffix settings of vLLM's own suffix
+method), the benchmark methods (``workflows.methods``), the CLI and the trace generator
+all call :func:`build_drafter` / :func:`build_engine`.
+
+Every field of the spec that is accepted is read here:
+
+* ``drafting.method / max_draft / scope / draft_model / tree / model_max / hvd_policy``
+  pick and configure the drafter (:func:`build_drafter`);
+* ``drafting.max_draft / min_draft`` configure the loop (:func:`engine_config`);
+* ``verifier.*`` picks the verifier (:func:`agentspec.verifiers.build_verifier`), and
+  ``verifier.sampler="multi_draft"`` with ``num_drafts=K > 1`` the multi-draft loop
+  (:class:`~agentspec.multi_engine.MultiDraftDecoder`), drafting K i.i.d. drafts from the
+  chosen drafter (:class:`~agentspec.drafters.multi.IIDDrafts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
+from agentspec.drafters.multi import IIDDrafts
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.interfaces import Drafter, Verifier
+from agentspec.interfaces import BatchTarget, Drafter, Verifier
+from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.spec import AgentSpec
-from agentspec.verifiers import build_verifier
+from agentspec.verifiers import MultiDraftVerifier, build_verifier
+
+if TYPE_CHECKING:
+    from agentspec.ledger import RegretLedger
+
+__all__ = ["build_drafter", "build_engine", "engine_config", "suffix_config", "suffix_drafter"]
+
+
+def suffix_config(spec: AgentSpec) -> SuffixConfig:
+    """The session cache's settings for ``spec``'s drafting policy (scope, draft length,
+    tree drafts); the other fields keep :class:`SuffixConfig`'s defaults."""
+    d = spec.drafting
+    return SuffixConfig(scope=d.scope, max_tokens=d.max_draft, tree=d.tree)
 
 
 def suffix_drafter(spec: AgentSpec, store: Any | None = None) -> SuffixDrafter:
-    """The session-cache drafter of ``spec``'s drafting policy (scope, draft length, store)."""
-    d = spec.drafting
-    return SuffixDrafter(SuffixConfig(scope=d.scope, max_tokens=d.max_draft), store=store)
+    """The session-cache drafter of ``spec``'s drafting policy, persisting to ``store``."""
+    return SuffixDrafter(suffix_config(spec), store=store)
 
 
 def build_drafter(
@@ -57,14 +81,20 @@ def build_drafter(
         from agentspec.payoff.defaults import build_hybrid, load_model_drafter
 
         try:
-            model = load_model_drafter(target, d.draft_model)
+            model = load_model_drafter(target, d.draft_model, max_tokens=d.model_max)
             if d.method == "model":
                 return model
-            return build_hybrid(target, "cost_aware", cache=suffix_drafter(spec, store),
-                                model=model)
+            return build_hybrid(target, d.hvd_policy, cache=suffix_drafter(spec, store),
+                                model=model, model_max=d.model_max)
         except AgentSpecError as exc:
             raise ConfigError(f"drafting method {d.method!r}: {exc}") from None
     raise ConfigError(f"drafting method {d.method!r} is not available in this build")
+
+
+def engine_config(spec: AgentSpec) -> EngineConfig:
+    """The decode loop's settings for ``spec`` (longest and shortest verified draft)."""
+    d = spec.drafting
+    return EngineConfig(max_draft=d.max_draft, min_draft=d.min_draft)
 
 
 def build_engine(
@@ -75,18 +105,43 @@ def build_engine(
     decode: Callable[[Sequence[int]], str] | None = None,
     eos_token_ids: Sequence[int] = (),
     verifier: Verifier | None = None,
+    ledger: RegretLedger | None = None,
 ) -> SpeculativeDecoder:
     """A decoder for ``spec`` over ``target`` drafting with ``drafter``.
 
+    ``verifier.sampler="multi_draft"`` with ``num_drafts > 1`` gives a
+    :class:`~agentspec.multi_engine.MultiDraftDecoder` (K drafts per step, one batched
+    forward); everything else the single-draft :class:`SpeculativeDecoder`.
+
     Args:
-        spec: The agent's policy (verifier and draft length).
+        spec: The agent's policy (verifier, draft lengths, multi-draft).
         target: The loaded target.
         drafter: The (shared, stateful) drafter, from :func:`build_drafter`.
         decode: Token ids -> text (stop strings, streaming).
         eos_token_ids: Tokens that end a request.
-        verifier: Overrides the verifier ``spec.verifier`` asks for.
+        verifier: Overrides the verifier ``spec.verifier`` asks for (single-draft only).
+        ledger: The regret ledger of ``mode="budgeted"`` (default: the process-wide one).
+
+    Raises:
+        ConfigError: multi-draft decoding on a target that cannot score batches, or
+            without a drafter.
     """
+    v = spec.verifier
+    if v.sampler == "multi_draft" and v.num_drafts > 1:
+        if drafter is None:
+            raise ConfigError(
+                f"verifier.num_drafts={v.num_drafts} needs a drafter, got drafting.method='none'"
+            )
+        if not isinstance(target, BatchTarget):
+            raise ConfigError(
+                f"verifier.num_drafts={v.num_drafts}: the target {type(target).__name__} "
+                "cannot score K drafts in one forward (no score_batch / select_row)"
+            )
+        return MultiDraftDecoder(
+            target, IIDDrafts(drafter), MultiDraftVerifier(), num_drafts=v.num_drafts,
+            decode=decode, eos_token_ids=eos_token_ids, config=engine_config(spec),
+        )
     return SpeculativeDecoder(
-        target, drafter, verifier or build_verifier(spec.verifier), decode=decode,
-        eos_token_ids=eos_token_ids, config=EngineConfig(max_draft=spec.drafting.max_draft),
+        target, drafter, verifier or build_verifier(v, ledger), decode=decode,
+        eos_token_ids=eos_token_ids, config=engine_config(spec),
     )

@@ -1,18 +1,37 @@
 """The Protocols that components implement. Dispatch goes through these, never through
-``isinstance`` checks on method names.
+``getattr`` probes or ``isinstance`` checks on concrete classes.
 
-Tensor shapes use ``k`` for the number of draft tokens and ``V`` for the vocabulary size.
+Terms:
+
+* **target**: the model being accelerated; it holds a KV cache of the tokens fed so far.
+  Required: :class:`Target`. Optional capabilities the engine checks with ``isinstance``:
+  :class:`PositionLimited` (a context window), :class:`BatchTarget` (K cache rows scored in
+  one forward: tree drafts, multi-draft) and :class:`FeatureTarget` (hidden states).
+* **drafter**: a source of draft tokens (:class:`Drafter`); optional capabilities:
+  :class:`MultiDrafter` (K i.i.d. drafts), :class:`FeatureDrafter` (drafts from the target's
+  hidden states) and :class:`RequestAware` (request-scoped state).
+* **verifier**: turns a draft and the target's logits into committed tokens
+  (:class:`Verifier`).
+* **chat runtime**: a loaded model serving chat requests (:class:`ChatRuntime`); the
+  adapters (LangChain, the OpenAI-compatible server) type against it, and both
+  :class:`agentspec.runtime.Runtime` and the vLLM backend implement it.
+
+Tensor shapes use ``k`` for the number of draft tokens, ``K`` for the number of drafts (cache
+rows), ``V`` for the vocabulary size and ``H`` for the hidden size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
 
 if TYPE_CHECKING:
     import torch
+
+    from agentspec.runtime import ChatResult, ToolChoice
+    from agentspec.spec import AgentSpec
 
 
 @runtime_checkable
@@ -47,6 +66,31 @@ class Target(Protocol):
 
 
 @runtime_checkable
+class PositionLimited(Protocol):
+    """A target with a context window: requests past it fail before any forward."""
+
+    @property
+    def max_positions(self) -> int:
+        """Most positions (prompt + generated tokens) one request may hold."""
+        ...
+
+
+@runtime_checkable
+class BatchTarget(Target, Protocol):
+    """A target that scores K continuations of its cached prefix in one forward (tree
+    drafts' branches, multi-draft's K drafts)."""
+
+    def score_batch(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Expand the cache to ``K = len(rows)`` rows and append row j to cache row j; the
+        rows have one length ``n``. Returns logits ``[K, n, V]``."""
+        ...
+
+    def select_row(self, row: int) -> None:
+        """Keep cache row ``row`` of the last :meth:`score_batch` only (back to one row)."""
+        ...
+
+
+@runtime_checkable
 class Drafter(Protocol):
     """A source of draft tokens. Drafters never see target logits."""
 
@@ -62,6 +106,28 @@ class Drafter(Protocol):
 
     def finish(self, ctx: DraftContext) -> None:
         """The request ended; ``ctx.tokens`` is the prompt plus the final output."""
+        ...
+
+
+@runtime_checkable
+class MultiDrafter(Protocol):
+    """A drafter that draws K i.i.d. drafts per step (multi-draft verification)."""
+
+    name: str
+
+    def propose_many(
+        self, ctx: DraftContext, max_tokens: int, num_drafts: int, rng: torch.Generator
+    ) -> list[Draft]:
+        """``num_drafts`` i.i.d. chain drafts of one length (at most ``max_tokens``), each
+        with ``probs`` ``[k, V]`` filled, or ``None`` for a point mass; ``[]``: no draft."""
+        ...
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        """Learn from the committed tokens."""
+        ...
+
+    def finish(self, ctx: DraftContext) -> None:
+        """The request ended."""
         ...
 
 
@@ -122,4 +188,57 @@ class RequestAware(Protocol):
     def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
         """A request of ``session`` starts; ``rng`` is its seeded generator (``None``
         for greedy requests)."""
+        ...
+
+
+@runtime_checkable
+class ChatRuntime(Protocol):
+    """A loaded model serving chat requests: what the adapters need from a runtime.
+
+    :class:`agentspec.runtime.Runtime` (agentspec's engine) and
+    ``adapters.vllm.VLLMRuntime`` (a vLLM engine) both implement it, so the LangChain chat
+    model and the OpenAI-compatible server run on either.
+
+    Attributes:
+        target: The served model; ``target.name`` is reported to clients.
+        tokenizer: The model's tokenizer (chat template, decode).
+        store: The session store (``None``: no persistence in this process).
+        default_spec: The policy of requests that name no agent spec.
+        lock: Held while a request decodes (requests are served one at a time).
+    """
+
+    target: Any
+    tokenizer: Any
+    store: Any
+    default_spec: AgentSpec
+    lock: Any
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        tool_choice: ToolChoice = None,
+        session: SessionRef | None = None,
+        spec: AgentSpec | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        result: list[ChatResult] | None = None,
+        assistant_prefix: str = "",
+    ) -> Generator[str, None, None]:
+        """Yield text deltas of the answer; append the final result to ``result``.
+
+        ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
+        result's text start with it), before any call that ``tool_choice`` forces.
+        """
+        ...
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """Complete a chat (the arguments of :meth:`stream_chat`)."""
         ...

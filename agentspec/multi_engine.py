@@ -9,58 +9,27 @@ prefix, keeps cache row j and rolls back its rejected tail. Stop strings, EOS, m
 streaming and statistics behave exactly as in the single-draft engine: the decode loop is
 :meth:`SpeculativeDecoder.steps`; this class only overrides its per-request hooks and the
 per-step ``_step`` (propose K drafts, score them in one batch, verify).
+
+:class:`~agentspec.interfaces.BatchTarget` and :class:`~agentspec.interfaces.MultiDrafter`
+are declared in :mod:`agentspec.interfaces` (re-exported here).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from agentspec.engine import Decode, EngineConfig, SpeculativeDecoder, Step
 from agentspec.errors import ConfigError
-from agentspec.interfaces import Target
+from agentspec.interfaces import BatchTarget, FeatureDrafter, FeatureTarget, MultiDrafter
 from agentspec.sampling import default_generator
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from agentspec.verifiers.multi_draft import MultiDraftVerifier
 
 __all__ = ["BatchTarget", "MultiDraftDecoder", "MultiDrafter"]
-
-
-@runtime_checkable
-class MultiDrafter(Protocol):
-    """A drafter that draws K i.i.d. drafts (e.g. a sampling ``ModelDrafter``)."""
-
-    name: str
-
-    def propose_many(
-        self, ctx: DraftContext, max_tokens: int, num_drafts: int, rng: torch.Generator
-    ) -> list[Draft]:
-        """``num_drafts`` i.i.d. chain drafts of one length, ``probs`` filled."""
-        ...
-
-    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
-        """Learn from the committed tokens."""
-        ...
-
-    def finish(self, ctx: DraftContext) -> None:
-        """The request ended."""
-        ...
-
-
-@runtime_checkable
-class BatchTarget(Target, Protocol):
-    """A target that scores K continuations of its cached prefix in one forward."""
-
-    def score_batch(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append row j to cache row j; return logits ``[K, n, V]``."""
-        ...
-
-    def select_row(self, row: int) -> None:
-        """Keep cache row ``row`` only."""
-        ...
 
 
 class MultiDraftDecoder(SpeculativeDecoder):
@@ -106,6 +75,16 @@ class MultiDraftDecoder(SpeculativeDecoder):
     def _learner(self) -> Any:
         return self.multi_drafter
 
+    def _feature_link(
+        self,
+    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], torch.Tensor]] | None:
+        # The drafter here is the multi-drafter (the base class's `drafter` is None).
+        drafter, target = self.multi_drafter, self.target
+        if (isinstance(drafter, FeatureDrafter) and drafter.wants_features
+                and isinstance(target, FeatureTarget)):
+            return drafter.observe_features, target.last_features
+        return None
+
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
         rng: torch.Generator | None,
@@ -127,10 +106,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
         drafts = [d.truncated(max_tokens) for d in drafts]
         if not drafts or len(drafts[0].tokens) < self.config.min_draft:
             return []
-        vocab = self.target.vocab_size
         for d in drafts:
-            if d.tokens and not 0 <= min(d.tokens) <= max(d.tokens) < vocab:
-                raise ConfigError(f"drafter {d.source!r} proposed ids outside [0, {vocab})")
+            self._check_ids(d)  # DraftError, as in the single-draft engine
         return drafts
 
     def _verify(

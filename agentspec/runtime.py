@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentspec.chat import render_prompt
 from agentspec.engine import Generation, SpeculativeDecoder
@@ -23,8 +23,12 @@ from agentspec.factory import build_drafter, build_engine
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.tokens import eos_ids
 from agentspec.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
 from agentspec.types import RequestStats, SamplingParams, SessionRef
+
+if TYPE_CHECKING:
+    from agentspec.interfaces import ChatRuntime
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +151,7 @@ class Runtime:
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[tuple[str, str, int, str], Drafter | None] = {}
-        eos = self.tokenizer.eos_token_id
-        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
     @classmethod
     def load(
@@ -199,9 +202,11 @@ class Runtime:
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
+        assistant_prefix: str = "",
     ) -> tuple[list[int], str]:
-        """Rendered prompt token ids and the forced assistant prefix (if any)."""
-        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice)
+        """Rendered prompt token ids and the text that opens the assistant turn
+        (``assistant_prefix``, then any forced tool call; see :func:`chat_prompt_ids`)."""
+        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix)
 
     def stream_chat(
         self,
@@ -215,15 +220,18 @@ class Runtime:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
-    ) -> Iterator[str]:
+        assistant_prefix: str = "",
+    ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
-        The model lock is held while the generator runs (requests are served one at a
-        time); closing the generator early releases it.
+        ``assistant_prefix`` is text that opens the answer (part of the prompt; the deltas
+        and the result's text start with it), before any call ``tool_choice`` forces. The
+        model lock is held while the generator runs (requests are served one at a time);
+        closing the generator early releases it.
         """
         spec = spec or self.default_spec
         sampling = sampling or spec.verifier.sampling()
-        prompt, prefix = self.prompt_ids(messages, tools, tool_choice)
+        prompt, prefix = self.prompt_ids(messages, tools, tool_choice, assistant_prefix)
         if tools and tool_choice != "none":
             # A call is complete at its closing tag: stop there, the agent runs the tool.
             stop = [*stop, "</tool_call>"]
@@ -250,3 +258,9 @@ class Runtime:
         for _ in self.stream_chat(messages, tools, result=out, **kwargs):
             pass
         return out[0]
+
+
+if TYPE_CHECKING:
+
+    def _is_chat_runtime(rt: Runtime) -> ChatRuntime:
+        return rt  # mypy checks that Runtime implements the adapters' contract

@@ -18,6 +18,7 @@ DraftMethod = Literal["none", "prompt_lookup", "suffix", "arctic_suffix", "model
 Scope = Literal["session", "agent", "tenant"]
 Sampler = Literal["rejection", "block", "multi_draft"]
 BudgetScope = Literal["request", "session"]
+HvdPolicy = Literal["cost_aware", "threshold", "arctic_rule"]
 
 
 class DraftingPolicy(BaseModel):
@@ -30,6 +31,15 @@ class DraftingPolicy(BaseModel):
             whole tenant (never across tenants).
         draft_model: The model drafter's model (``model`` / ``hybrid``): an embedded name
             or a local Hugging Face folder whose tokenizer matches the target's.
+        min_draft: Drafts shorter than this are not verified (the step decodes one token):
+            on CPU a 2-3 token forward can cost more than it saves.
+        tree: ``suffix`` only: draft a token tree (the most probable branches of the
+            suffix index) instead of one chain; verified branch by branch in one batched
+            forward, strict greedy only.
+        model_max: Most tokens the model drafter drafts per step (``model`` / ``hybrid``).
+        hvd_policy: ``hybrid`` only: which source policy picks cache or model each step:
+            ``cost_aware`` (default), ``threshold`` (the paper's ŷ >= τ rule) or
+            ``arctic_rule`` (a hand rule on the suffix match).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,6 +48,16 @@ class DraftingPolicy(BaseModel):
     max_draft: int = Field(default=32, ge=1, le=64)
     scope: Scope = "session"
     draft_model: str | None = None
+    min_draft: int = Field(default=1, ge=1, le=64)
+    tree: bool = False
+    model_max: int = Field(default=6, ge=1, le=64)
+    hvd_policy: HvdPolicy = "cost_aware"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DraftingPolicy:
+        if self.tree and self.method != "suffix":
+            raise ValueError(f"tree=True needs method='suffix', got method={self.method!r}")
+        return self
 
 
 class VerifierPolicy(BaseModel):
@@ -114,3 +134,16 @@ class AgentSpec(BaseModel):
     @classmethod
     def _valid_name(cls, v: str) -> str:
         return check_id("agent", v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AgentSpec:
+        # Tree drafts are verified branch by branch with the strict greedy rule only.
+        v = self.verifier
+        if self.drafting.tree and (v.mode != "lossless" or v.temperature > 0
+                                   or v.num_drafts > 1):
+            raise ValueError(
+                "drafting.tree=True is verified with strict greedy decoding only: needs "
+                f"verifier mode='lossless', temperature=0, num_drafts=1; got mode={v.mode!r}, "
+                f"temperature={v.temperature}, num_drafts={v.num_drafts}"
+            )
+        return self

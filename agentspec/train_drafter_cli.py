@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +28,24 @@ from agentspec.drafter_corpus import TeacherSeq
 from agentspec.errors import TrainingDataError
 from agentspec.train_drafter import TrainDrafterConfig
 
-__all__ = ["add_train_drafter_parser", "read_traces", "run_train_drafter"]
+__all__ = ["DrafterData", "add_train_drafter_parser", "read_traces", "run_train_drafter"]
+
+
+class DrafterData(Protocol):
+    """The workload data ``train-drafter`` learns from (the ``workflows`` package's, handed in
+    by the console script: training never imports the benchmark harness)."""
+
+    def folder(self, explicit: str | os.PathLike[str] | None) -> Path:
+        """The data folder: ``explicit`` (``--data``) when given, else the default one."""
+        ...
+
+    def documents(self, folder: Path, seed: int) -> list[tuple[str, str]]:
+        """(user message, assistant text) pairs to teacher-force, shuffled by ``seed``."""
+        ...
+
+    def held_out_prompts(self) -> list[str]:
+        """Benchmark prompts the drafter must never train on."""
+        ...
 
 
 def add_train_drafter_parser(sub: Any) -> None:
@@ -129,11 +147,15 @@ def read_traces(path: Path, tokenizer: Any, target_name: str, vocab: int,
     return seqs
 
 
-def run_train_drafter(args: argparse.Namespace) -> int:
-    """Collect teacher data, distil, save; print a summary. Returns the exit code."""
+def run_train_drafter(args: argparse.Namespace, data: DrafterData) -> int:
+    """Collect teacher data, distil, save; print a summary. Returns the exit code.
+
+    Args:
+        args: The parsed command line (:func:`add_train_drafter_parser`).
+        data: The workload data (documents, held-out benchmark prompts).
+    """
     from agentspec.models import agentspec_home, load_model_and_tokenizer
     from agentspec.train_drafter import save_artifact, train_student
-    from workflows.datasets import data_dir
 
     cfg = TrainDrafterConfig(
         minutes=args.minutes, num_layers=args.layers, rank=args.rank,
@@ -148,13 +170,13 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     vocab = int(model.get_input_embeddings().weight.shape[0])
     suffix = "-eagle" if args.kind == "eagle" else ""
     out = args.out or agentspec_home() / "drafters" / f"{files.name}{suffix}.safetensors"
-    folder = data_dir(args.data)
+    folder = data.folder(args.data)
     show = not args.no_progress
     cache: Path | None = args.teacher_cache
     if cache is not None and cache.is_file():
         seqs = load_teacher(cache, files.name)
     else:
-        seqs = _collect(args, cfg, model, tok, files.name, vocab, start, collect_end)
+        seqs = _collect(args, data, cfg, model, tok, files.name, vocab, start, collect_end)
         if cache is not None:
             save_teacher(cache, seqs, files.name)
     collect_s = time.monotonic() - start
@@ -170,30 +192,24 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-def _collect(args: argparse.Namespace, cfg: TrainDrafterConfig, model: Any, tok: Any,
-             name: str, vocab: int, start: float, collect_end: float) -> list[TeacherSeq]:
+def _collect(args: argparse.Namespace, data: DrafterData, cfg: TrainDrafterConfig, model: Any,
+             tok: Any, name: str, vocab: int, start: float,
+             collect_end: float) -> list[TeacherSeq]:
     """Teacher data: ``--traces``, then documents, then chat answers, within the budget."""
     from tqdm.auto import tqdm
 
-    from agentspec.drafter_corpus import (
-        document_pairs,
-        teacher_force,
-        teacher_generate,
-        training_prompts,
-    )
-    from workflows.chat import PROMPTS
-    from workflows.datasets import data_dir
+    from agentspec.drafter_corpus import teacher_force, teacher_generate, training_prompts
 
     show = not args.no_progress
-    folder = data_dir(args.data)
+    folder = data.folder(args.data)
     seqs = read_traces(args.traces, tok, name, vocab, model, cfg.top_k) if args.traces else []
     # A quarter of the collection time for documents, the rest for chat generations.
-    docs = document_pairs(folder, cfg.seed)
+    docs = data.documents(folder, cfg.seed)
     doc_end = start + (collect_end - start) * 0.25
     with tqdm(total=len(docs), desc="score documents", unit="doc", disable=not show) as bar:
         seqs += teacher_force(model, tok, docs, top_k=cfg.top_k, deadline=doc_end,
                               tick=bar.update)
-    prompts = training_prompts(cfg.prompts, cfg.seed, [q for s in PROMPTS for q in s])
+    prompts = training_prompts(cfg.prompts, cfg.seed, data.held_out_prompts())
     with tqdm(total=len(prompts), desc="target answers", unit="prompt",
               disable=not show) as bar:
         seqs += teacher_generate(model, tok, prompts, top_k=cfg.top_k,
@@ -225,6 +241,7 @@ def _train_eagle(args: argparse.Namespace, cfg: TrainDrafterConfig, model: Any, 
         from agentspec.drafters.eagle import read_head
 
         head = read_head(model, args.init_from)
+        draft_vocab = head.spec.draft_vocab  # the head keeps the vocabulary it was built with
     else:
         vocab = int(model.get_input_embeddings().weight.shape[0])
         draft_vocab = choose_draft_vocab(seqs, cfg.draft_vocab, vocab, eos)

@@ -1,10 +1,18 @@
 """The decoding methods a benchmark compares, by name.
 
-``greedy`` is transformers' own ``generate(do_sample=False)``: the plain decoding users run
-today and the reference every other method's output is checked against. ``plain`` is
-agentspec's loop with no drafter (one token per forward: the loop's own overhead).
-``hf_prompt_lookup`` is transformers' prompt lookup decoding, a peer. Engine methods differ
-only in the drafter; verification is the same strict greedy rule for all of them.
+agentspec's own methods are built from an :class:`~agentspec.spec.AgentSpec` by the one
+factory (:mod:`agentspec.factory`), the same code that builds the product's drafter,
+verifier and engine, so the benchmark measures what ships (:func:`method_spec` gives each
+method's spec). The peers are built here: ``greedy`` is transformers' own
+``generate(do_sample=False)``, the plain decoding users run today and the reference every
+other method's output is checked against; ``hf_prompt_lookup`` is transformers' prompt
+lookup decoding; ``oracle`` drafts the known greedy output (the ceiling); ``distilled`` is
+the model drafter before the EAGLE head. ``plain`` is agentspec's loop with no drafter
+(one token per forward: the loop's own overhead).
+
+Verification is lossless (strict greedy for these greedy requests) for every method but
+``asd_*``: those run ASD's budgeted approximate greedy rule at regret budgets B = 1, 4, 16,
+and their outputs may differ from greedy where an exception was taken.
 """
 
 from __future__ import annotations
@@ -16,18 +24,15 @@ from typing import Any, Protocol
 
 import torch
 
-from agentspec.drafters import (
-    ArcticSuffixDrafter,
-    OracleDrafter,
-    PromptLookupDrafter,
-    SuffixDrafter,
-)
+from agentspec.drafters import OracleDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, BenchmarkError
-from agentspec.interfaces import Drafter, Verifier
+from agentspec.factory import build_drafter, build_engine
+from agentspec.interfaces import Drafter
+from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets.hf import HFTarget
+from agentspec.tokens import cut_at_stop, eos_ids
 from agentspec.types import RequestStats, SessionRef, StepStats
-from agentspec.verifiers import BudgetConfig, BudgetedVerifier
 from workflows.base import Request
 
 
@@ -57,7 +62,8 @@ class MethodContext:
     Attributes:
         target: The loaded model.
         oracle: Greedy references registered by the ``greedy`` method, drafted by ``oracle``.
-        engine: Engine settings for the engine methods.
+        engine: Engine settings for the engine methods (``max_draft`` goes into each
+            method's :class:`~agentspec.spec.AgentSpec`).
     """
 
     target: HFTarget
@@ -71,24 +77,70 @@ class MethodContext:
     @property
     def eos_ids(self) -> list[int]:
         """Tokens that end a request."""
-        eos = self.target.tokenizer.eos_token_id
-        return [eos] if isinstance(eos, int) else list(eos or [])
+        return eos_ids(self.target.tokenizer)
+
+
+def method_spec(name: str, max_draft: int = 16) -> AgentSpec:
+    """The :class:`~agentspec.spec.AgentSpec` agentspec's method ``name`` runs.
+
+    Raises:
+        BenchmarkError: ``name`` is not one of agentspec's own methods.
+    """
+    drafting: dict[str, object] = {"max_draft": max_draft}
+    verifier: dict[str, object] = {}
+    if name in _DRAFT_METHODS:
+        drafting["method"] = _DRAFT_METHODS[name]
+    elif name.startswith("asd_b") and name[5:].isdigit():
+        # ASD: the session cache with budgeted approximate greedy verification (g = 0.5,
+        # M = 1, B caps each request).
+        drafting["method"] = "suffix"
+        verifier = {"mode": "budgeted", "budget": float(name[5:])}
+    elif name == "model":
+        # The model drafter alone drafts 2 tokens: with ~1/3 first-token acceptance (EAGLE
+        # head, open chat) c(3) is the best trade on this CPU (docs/hvd.md). Under HVD the
+        # cost-aware policy picks the length itself.
+        drafting.update(method="model", model_max=2)
+    elif name in _HVD_POLICIES:
+        drafting.update(method="hybrid", hvd_policy=_HVD_POLICIES[name])
+    else:
+        raise BenchmarkError(f"{name!r} is not one of agentspec's methods")
+    return AgentSpec(drafting=DraftingPolicy(**drafting),  # type: ignore[arg-type]
+                     verifier=VerifierPolicy(**verifier))  # type: ignore[arg-type]
+
+
+_DRAFT_METHODS = {"plain": "none", "prompt_lookup": "prompt_lookup", "suffix": "suffix",
+                  "arctic_suffix": "arctic_suffix"}
+_HVD_POLICIES = {"hybrid": "cost_aware", "arctic_rule": "arctic_rule",
+                 "hybrid_threshold": "threshold"}  # the paper's ŷ >= τ rule
 
 
 class EngineMethod:
-    """agentspec's speculative loop with one drafter (or none)."""
+    """agentspec's speculative loop, built by the one factory from an AgentSpec.
+
+    Args:
+        name: The method's name in reports.
+        ctx: The run's shared state (target, engine settings).
+        spec: The policy the product would run.
+        drafter: Overrides the spec's drafter (the peers: ``oracle``, ``distilled``).
+    """
 
     def __init__(
         self,
         name: str,
         ctx: MethodContext,
-        drafter: Drafter | None,
-        verifier: Verifier | None = None,
+        spec: AgentSpec,
+        drafter: Drafter | None = None,
     ) -> None:
         self.name = name
-        self.decoder = SpeculativeDecoder(
-            ctx.target, drafter, verifier, decode=ctx.decode, eos_token_ids=ctx.eos_ids,
-            config=ctx.engine,
+        self.spec = spec
+        if drafter is None:
+            try:
+                drafter = build_drafter(spec, ctx.target)
+            except AgentSpecError as exc:
+                raise BenchmarkError(f"method {name!r} cannot be built: {exc}") from None
+        self.drafter = drafter
+        self.decoder: SpeculativeDecoder = build_engine(
+            spec, ctx.target, drafter, decode=ctx.decode, eos_token_ids=ctx.eos_ids,
         )
 
     def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
@@ -149,12 +201,14 @@ class HFGenerateMethod:
         stats.steps = [] if self.prompt_lookup else [
             StepStats("none", 0, 0, 1, 0.0, 0.0) for _ in range(forwards)
         ]
-        return RunOutput(tokens, _cut_stop(self.ctx.decode(tokens), request.stop), stats)
+        return RunOutput(tokens, cut_at_stop(self.ctx.decode(tokens), request.stop), stats)
 
 
-def _cut_stop(text: str, stop: list[str]) -> str:
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
+def _engine(name: str) -> Factory:
+    """Factory of agentspec's method ``name``: its spec (:func:`method_spec`) through the
+    one factory; a missing drafter artifact fails the run before any model time is spent,
+    with a BenchmarkError naming the fix."""
+    return lambda c: EngineMethod(name, c, method_spec(name, c.engine.max_draft))
 
 
 Factory = Callable[[MethodContext], Method]
@@ -162,44 +216,13 @@ Factory = Callable[[MethodContext], Method]
 METHODS: dict[str, Factory] = {
     "greedy": lambda c: HFGenerateMethod("greedy", c, None, record=True),
     "hf_prompt_lookup": lambda c: HFGenerateMethod("hf_prompt_lookup", c, 10, record=False),
-    "plain": lambda c: EngineMethod("plain", c, None),
-    "prompt_lookup": lambda c: EngineMethod("prompt_lookup", c, PromptLookupDrafter()),
-    "oracle": lambda c: EngineMethod("oracle", c, c.oracle),
-    "suffix": lambda c: EngineMethod("suffix", c, SuffixDrafter()),
-    "arctic_suffix": lambda c: EngineMethod("arctic_suffix", c, ArcticSuffixDrafter()),
-    # ASD: the suffix drafter with budgeted approximate greedy verification at regret
-    # budgets B = 1, 4, 16 logits per request (g = 0.5, M = 1; not persisted). Approximate:
-    # identical_to_greedy is expected to be false where exceptions were taken.
-    **{
-        f"asd_b{b}": lambda c, b=b: EngineMethod(  # type: ignore[misc]
-            f"asd_b{b}", c, SuffixDrafter(), BudgetedVerifier(BudgetConfig(float(b)))
-        )
-        for b in (1, 4, 16)
-    },
+    "oracle": lambda c: EngineMethod("oracle", c, method_spec("plain", c.engine.max_draft),
+                                     drafter=c.oracle),
+    **{name: _engine(name) for name in (*_DRAFT_METHODS, *_HVD_POLICIES, "model")},
+    # ASD at regret budgets B = 1, 4, 16 logits per request (approximate: identical_to_greedy
+    # is expected to be false where exceptions were taken).
+    **{f"asd_b{b}": _engine(f"asd_b{b}") for b in (1, 4, 16)},
 }
-
-
-def _hvd(name: str, policy: str | None) -> Factory:
-    """Factory of an HVD method (issue 6): ``policy=None`` is the model drafter alone.
-
-    The trained model drafter is loaded when the method is built, so a missing artifact
-    fails the run before any model time is spent, with a BenchmarkError naming the fix.
-    """
-
-    def build(c: MethodContext) -> Method:
-        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
-
-        try:
-            # The model drafter alone drafts 2 tokens: with ~1/3 first-token acceptance
-            # (EAGLE head, open chat) c(3) is the best trade on this CPU (docs/hvd.md).
-            # Under HVD the cost-aware policy picks the length itself.
-            drafter: Drafter = (load_model_drafter(c.target, max_tokens=2) if policy is None
-                                else build_hybrid(c.target, policy))
-        except AgentSpecError as exc:
-            raise BenchmarkError(f"method {name!r} cannot be built: {exc}") from None
-        return EngineMethod(name, c, drafter)
-
-    return build
 
 
 def _distilled(c: MethodContext) -> Method:
@@ -211,16 +234,10 @@ def _distilled(c: MethodContext) -> Method:
         drafter = load_default_drafter(c.target, ModelDrafterConfig(max_tokens=6))
     except AgentSpecError as exc:
         raise BenchmarkError(f"method 'distilled' cannot be built: {exc}") from None
-    return EngineMethod("distilled", c, drafter)
+    return EngineMethod("distilled", c, method_spec("plain", c.engine.max_draft), drafter)
 
 
-METHODS.update({
-    "distilled": _distilled,
-    "model": _hvd("model", None),  # the EAGLE head when trained, else the distilled drafter
-    "arctic_rule": _hvd("arctic_rule", "arctic_rule"),
-    "hybrid": _hvd("hybrid", "cost_aware"),
-    "hybrid_threshold": _hvd("hybrid_threshold", "threshold"),  # the paper's ŷ >= τ rule
-})
+METHODS["distilled"] = _distilled
 
 
 def register_method(name: str, factory: Factory) -> None:

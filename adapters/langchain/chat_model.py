@@ -23,7 +23,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.utils import from_env
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, SkipValidation
 
 from adapters.langchain.messages import convert_tools, normalise_tool_choice, to_agentspec_messages
 from adapters.langchain.request import (
@@ -37,6 +37,7 @@ from adapters.langchain.request import (
 )
 from adapters.langchain.runtimes import shared_runtime
 from agentspec.errors import ConfigError
+from agentspec.interfaces import ChatRuntime
 from agentspec.models import EMBEDDED_MODEL
 from agentspec.spec import AgentSpec
 from agentspec.types import SessionRef, check_id
@@ -118,7 +119,8 @@ class ChatAgentSpec(BaseChatModel):
     store: bool | str = True
     seed: int | None = None
     return_token_ids: bool = False
-    runtime: Any = Field(default=None, exclude=True)
+    # Any ChatRuntime (agentspec's Runtime, the vLLM backend); not validated by pydantic.
+    runtime: SkipValidation[ChatRuntime | None] = Field(default=None, exclude=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -26,6 +26,7 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 
 from adapters.langchain.messages import VisibleText, to_langchain_tool_calls
 from agentspec.errors import AgentSpecError, StoreBusyError
+from agentspec.interfaces import ChatRuntime
 from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec
 from agentspec.types import SessionRef, check_id
@@ -40,7 +41,8 @@ class ChatRequest:
     """A resolved chat call.
 
     Attributes:
-        runtime: The :class:`~agentspec.runtime.Runtime` (or a stand-in) that decodes.
+        runtime: The :class:`~agentspec.interfaces.ChatRuntime` that decodes (agentspec's
+            Runtime, the vLLM backend).
         messages: Rendered-ready dict messages.
         tools: OpenAI tool schemas, or ``None`` when no tools are offered.
         tool_choice: ``None`` (model decides), ``"any"`` or a tool name.
@@ -54,7 +56,7 @@ class ChatRequest:
         return_token_ids: Report generated token ids in ``response_metadata``.
     """
 
-    runtime: Any
+    runtime: ChatRuntime
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     tool_choice: str | None

@@ -8,7 +8,7 @@ uvicorn. Sessions come from the ``X-Session-Id`` header (or ``prompt_cache_key``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from adapters.openai_server.auth import KeyRing, load_keys
 from adapters.openai_server.config import ServerConfig, check_bind, is_loopback
@@ -16,10 +16,12 @@ from adapters.openai_server.config import ServerConfig, check_bind, is_loopback
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from agentspec.interfaces import ChatRuntime
+
 __all__ = ["KeyRing", "ServerConfig", "check_bind", "create_app", "is_loopback", "load_keys"]
 
 
-def create_app(runtime: Any, config: ServerConfig | None = None) -> FastAPI:
+def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> FastAPI:
     """Build the server app (see :func:`adapters.openai_server.app.create_app`)."""
     from adapters.openai_server.app import create_app as _create_app
 

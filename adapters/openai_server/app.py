@@ -34,6 +34,7 @@ from adapters.openai_server.errors import (
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.schemas import ChatCompletionRequest, ModelCard, ModelList, now
 from adapters.openai_server.service import ChatService, Generation, Job, build_job
+from agentspec.interfaces import ChatRuntime
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def create_app(runtime: Any, config: ServerConfig | None = None) -> FastAPI:
+def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> FastAPI:
     """Build the server application around a loaded runtime.
 
     Args:
-        runtime: An :class:`agentspec.runtime.Runtime` (anything with ``stream_chat``,
-            ``default_spec`` and ``target.name`` works, e.g. a test fake).
+        runtime: A :class:`~agentspec.interfaces.ChatRuntime` (agentspec's Runtime, the
+            vLLM backend; tests pass fakes with ``stream_chat``, ``default_spec`` and
+            ``target.name``).
         config: Keys, limits and served model names (defaults: local-only mode).
 
     Returns:

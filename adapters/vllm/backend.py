@@ -22,9 +22,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adapters.vllm.payoff_gate import ENV_PAYOFF
 from adapters.vllm.payoff_gate import MODES as PAYOFF_MODES
@@ -35,7 +35,11 @@ from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from agentspec.errors import ConfigError
 from agentspec.runtime import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.spec import AgentSpec
+from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
+
+if TYPE_CHECKING:
+    from agentspec.interfaces import ChatRuntime
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +128,7 @@ class VLLMRuntime:
         self.store = None  # session histories live in the proposer (worker process)
         self.lock = threading.RLock()
         self._warned: set[tuple[str, int]] = set()
-        eos = self.tokenizer.eos_token_id
-        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
     @classmethod
     def load(
@@ -235,7 +238,7 @@ class VLLMRuntime:
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
         Arguments as :meth:`agentspec.runtime.Runtime.stream_chat`, plus
@@ -314,3 +317,9 @@ class VLLMRuntime:
         engine_core = getattr(self.engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
+
+
+if TYPE_CHECKING:
+
+    def _is_chat_runtime(rt: VLLMRuntime) -> ChatRuntime:
+        return rt  # mypy checks that VLLMRuntime implements the adapters' contract

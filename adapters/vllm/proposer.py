@@ -52,6 +52,8 @@ from adapters.vllm.payoff_gate import PayoffGate
 from adapters.vllm.request_ids import decode_request_id
 from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
 from agentspec.errors import ConfigError
+from agentspec.factory import suffix_config
+from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.types import DraftContext, SessionRef
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,14 @@ def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
         raise ConfigError(f"{ENV_MIN_SCORE} must be a number, got {raw!r}") from None
     if min_score < 0:
         raise ConfigError(f"{ENV_MIN_SCORE} must be >= 0, got {raw!r}")
-    return SuffixConfig(scope=scope, max_tokens=num_speculative_tokens), min_score
+    # The one factory maps the policy to the drafter's settings, as for agentspec's engine.
+    try:
+        spec = AgentSpec(drafting=DraftingPolicy(
+            method="suffix", scope=scope, max_draft=num_speculative_tokens))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_SCOPE}={scope!r} / num_speculative_tokens="
+                          f"{num_speculative_tokens}: {exc}") from None
+    return suffix_config(spec), min_score
 
 
 class AgentSpecProposer:

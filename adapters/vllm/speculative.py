@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentspec.drafters.lookup import PromptLookupConfig
-from agentspec.drafters.session_cache import SuffixConfig
 from agentspec.errors import ConfigError
+from agentspec.factory import suffix_config
 from agentspec.spec import AgentSpec
 
 Proposer = Literal["vllm", "agentspec"]
@@ -103,7 +103,7 @@ def speculative_config(spec: AgentSpec, proposer: str = "vllm") -> dict[str, Any
             "prompt_lookup_min": lookup.min_ngram, "prompt_lookup_max": lookup.max_ngram,
         }
     if d.method in ("suffix", "arctic_suffix"):
-        suffix = SuffixConfig()
+        suffix = suffix_config(spec)  # the session cache's settings, from the one factory
         return {
             "method": "suffix", "num_speculative_tokens": k,
             "suffix_decoding_max_tree_depth": suffix.max_depth,

@@ -14,6 +14,12 @@ model drafter re-syncs its KV cache from the context, so neither falls out of st
 EAGLE model drafter also receives the target's features of every committed position
 (``observe_features``), whichever source won.
 
+Policy state is per tenant: the cost-aware policy learns acceptance rates, model cost and
+its calibration from the traffic it sees, and one tenant's traffic must not move another's
+estimates. With a ``policy_factory`` the drafter keeps one policy per tenant (made on the
+tenant's first request, at most ``max_tenants`` kept, least recently used dropped) and
+switches to the request's tenant in :meth:`HybridDrafter.begin_request`.
+
 Verification is untouched, so HVD is exactly as lossless as the verifier it runs under.
 """
 
@@ -21,15 +27,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
-from agentspec.payoff.replay import common_prefix
+from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["HybridDrafter"]
@@ -57,6 +63,10 @@ class HybridDrafter:
             policy needs no features.
         model_max: Most tokens the model drafter drafts per step.
         name: This drafter's name (the sources of its drafts are the sub-drafters').
+        policy_factory: Makes a fresh policy like ``policy``: with it each tenant gets its
+            own (``policy`` serves requests without a session); without it ``policy`` is
+            shared by every request.
+        max_tenants: Most per-tenant policies kept (least recently used are dropped).
 
     Attributes:
         wins: Steps won per source (``"cache"``, ``"model"``, ``"none"``) since creation.
@@ -71,9 +81,13 @@ class HybridDrafter:
         table: TokenTable | None = None,
         model_max: int = 6,
         name: str = "hybrid",
+        policy_factory: Callable[[], SourcePolicy] | None = None,
+        max_tenants: int = 1024,
     ) -> None:
         if model_max < 1:
             raise ConfigError(f"model_max must be >= 1, got {model_max!r}")
+        if max_tenants < 1:
+            raise ConfigError(f"max_tenants must be >= 1, got {max_tenants!r}")
         if policy.needs_features and table is None:
             raise ConfigError(f"policy {policy.name!r} needs features: pass a TokenTable")
         self.cache = cache
@@ -82,6 +96,10 @@ class HybridDrafter:
         self.table = table
         self.model_max = model_max
         self.name = name
+        self.policy_factory = policy_factory
+        self.max_tenants = max_tenants
+        self._default_policy = policy
+        self._policies: OrderedDict[str, SourcePolicy] = OrderedDict()  # tenant -> policy
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
         self.last_choice: Any = None
         self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
@@ -177,8 +195,23 @@ class HybridDrafter:
         if isinstance(self.model, FeatureDrafter):
             self.model.observe_features(start, features)
 
+    def policy_for(self, session: SessionRef | None) -> SourcePolicy:
+        """The policy serving ``session``'s tenant (made on the tenant's first request)."""
+        if self.policy_factory is None or session is None:
+            return self._default_policy
+        tenant = session.tenant
+        pol = self._policies.get(tenant)
+        if pol is None:
+            pol = self._policies[tenant] = self.policy_factory()
+            while len(self._policies) > self.max_tenants:
+                self._policies.popitem(last=False)
+        self._policies.move_to_end(tenant)
+        return pol
+
     def begin_request(self, session: SessionRef | None, rng: Any) -> None:
-        """Forward the engine's request start to the sub-drafters that take it."""
+        """Switch to the request's tenant's policy; forward the request start to the
+        sub-drafters that take it."""
+        self.policy = self.policy_for(session)
         self._recent.clear()
         for part in (self.cache, self.model):
             if isinstance(part, RequestAware):

@@ -24,6 +24,7 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.sampling import process_logits, sample
+from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
 
 __all__ = ["ModelDrafter", "ModelDrafterConfig"]
@@ -208,7 +209,7 @@ class ModelDrafter:
 
         if not tokens:
             raise ConfigError("the model drafter needs a non-empty context")
-        common = _common_prefix(self._cached, tokens)
+        common = common_prefix(self._cached, tokens)
         common = min(common, len(tokens) - 1)  # re-feed >= 1 token: we need its logits
         if self._cache is None or common == 0:
             self._cache, self._cached, common = DynamicCache(config=self.model.config), [], 0
@@ -230,17 +231,3 @@ class ModelDrafter:
         self.forwards += 1
         return out.logits[:, -1, : self.vocab].float()  # [B, V]
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # the usual case: the context only grew
-        return n
-    lo, hi = 0, n  # binary search on prefix equality (C-speed slice compares)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -1,4 +1,4 @@
-"""Hybrid Verified Decoding's payoff predictor (DESIGN.md, HVD).
+"""Hybrid Verified Decoding's payoff predictor (HVD, docs/hvd.md).
 
 * :mod:`~agentspec.payoff.features` — the runtime features φ_t of a cache draft;
 * :mod:`~agentspec.payoff.predictor` — the MLP g_θ(φ_t) -> ŷ_t (save/load as small JSON);

@@ -18,8 +18,7 @@ from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.interfaces import Drafter
 from agentspec.payoff.features import TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
-from agentspec.payoff.predictor import PayoffPredictor, PredictorError
-from agentspec.payoff.traces import tokenizer_fingerprint
+from agentspec.payoff.predictor import PayoffPredictor, PredictorError, tokenizer_fingerprint
 
 DEFAULT_PREDICTOR = Path(__file__).with_name("default_predictor.json")
 POLICIES = ("cost_aware", "threshold", "arctic_rule")
@@ -150,7 +149,10 @@ def build_hybrid(
     model = model or load_model_drafter(target, max_tokens=model_max)
     pol = make_policy(policy, target, predictor)
     table = token_table(target) if pol.needs_features else None
+    # Each tenant learns its own policy estimates; the (read-only) predictor is shared.
+    pred = getattr(pol, "predictor", None)
     return HybridDrafter(
         cache or SuffixDrafter(), model, pol, table, model_max=model_max,
         name=policy if policy == "arctic_rule" else "hybrid",
+        policy_factory=lambda: make_policy(policy, target, pred),
     )

@@ -1,4 +1,4 @@
-"""The payoff predictor's runtime features φ_t (DESIGN.md, Hybrid Verified Decoding).
+"""The payoff predictor's runtime features φ_t (Hybrid Verified Decoding, docs/hvd.md).
 
 Everything here is computed from what a drafter already holds before verification: the
 context ids (:class:`~agentspec.types.DraftContext`), the cache drafter's

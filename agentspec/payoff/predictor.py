@@ -18,6 +18,7 @@ validation epoch kept; every random draw comes from seeded generators.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -32,6 +33,18 @@ FORMAT = "agentspec-payoff/1"
 
 
 _SCORE = FEATURE_NAMES.index("log_score")
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary (``"none"`` without a tokenizer).
+
+    Two tokenizers with the same token -> id map produce the same ids for the same text,
+    which is all a predictor (and trace replay) needs to agree on.
+    """
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
 def _score(phi: Sequence[float]) -> float:

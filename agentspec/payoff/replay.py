@@ -29,9 +29,11 @@ from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
 from agentspec.errors import ConfigError
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.traces import Trace
+from agentspec.tokens import common_prefix
 from agentspec.types import DraftContext, SessionRef
 
-HIGH_PAYOFF = 6  # accepted tokens that make a draft "high payoff" (DESIGN.md)
+# Accepted tokens that make a draft "high payoff" (train-predictor's precision / recall).
+HIGH_PAYOFF = 6
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,6 @@ class Sample:
     draft_len: int
     session_id: str
     workload: str
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def replay_trace(

@@ -22,18 +22,32 @@ several times faster than one token per forward.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agentspec.errors import TrainingDataError
+from agentspec.payoff.predictor import tokenizer_fingerprint
 
 FORMAT = "agentspec-traces/1"
+
+__all__ = [
+    "FORMAT",
+    "SessionSource",
+    "Trace",
+    "TraceError",
+    "TraceSet",
+    "TraceSpec",
+    "TraceTurn",
+    "generate_traces",
+    "read_traces",
+    "tokenizer_fingerprint",
+    "write_traces",
+]
 
 
 class TraceError(TrainingDataError):
@@ -82,18 +96,6 @@ class TraceSet:
     def num_output_tokens(self) -> int:
         """Output tokens over all sessions."""
         return sum(t.num_output_tokens for t in self.traces)
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short hash of a tokenizer's vocabulary (``"none"`` without a tokenizer).
-
-    Two tokenizers with the same token -> id map produce the same ids for the same text,
-    which is all replay needs to agree on.
-    """
-    if tokenizer is None:
-        return "none"
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
 def write_traces(traces: TraceSet, path: Path) -> None:
@@ -190,14 +192,14 @@ class TraceSpec:
     """Which greedy traces to generate (bounded: the CPU decodes ~15-25 tokens/s).
 
     Attributes:
-        workloads: Workload names of ``workflows.harness.WORKLOADS``.
+        workloads: Workload names (the ``workflows`` harness's).
         limit: Sessions per workload.
         turns: Turns per session.
         max_tokens: Cap on each turn's generation budget.
         max_total_tokens: Stop generating once this many output tokens are traced.
         data_dir: Workload data folder (``None``: the workflows' default).
         exclude: Session ids never traced. The shipped predictor excludes every session
-            ``make bench`` measures (:func:`bench_session_ids`), so its benchmark figures are
+            ``make bench`` measures (:meth:`SessionSource.bench_ids`), so its benchmark figures are
             on sessions it never saw.
     """
 
@@ -217,36 +219,64 @@ class TraceSpec:
         return f"traces-{hashlib.sha256(blob.encode()).hexdigest()[:12]}.jsonl"
 
 
-def generate_traces(target: Any, spec: TraceSpec, progress: bool = True) -> TraceSet:
-    """Decode the workloads' sessions greedily and record every turn's ids.
+class SessionSource(Protocol):
+    """Where the sessions to trace come from (the workloads of ``workflows``, handed in by
+    the ``agentspec`` console script: training never imports the benchmark harness).
+
+    A session is any object with ``session_id`` and ``next_request(last_answer)``, which
+    returns the next request (``messages``, ``tools``, ``max_tokens``, ``stop`` and an
+    optional ``prefix``) or ``None`` when the session is over.
+    """
+
+    def select(self, spec: TraceSpec) -> list[list[tuple[str, Any]]]:
+        """Per workload of ``spec``, ``(workload, session)`` pairs: at most ``spec.limit``
+        sessions of ``spec.turns`` turns, none of ``spec.exclude``."""
+        ...
+
+    def bench_ids(self, workloads: Sequence[str]) -> tuple[str, ...]:
+        """Ids of the sessions the benchmarks measure (left out of training)."""
+        ...
+
+
+def generate_traces(
+    target: Any,
+    spec: TraceSpec,
+    sessions: Sequence[Sequence[tuple[str, Any]]],
+    progress: bool = True,
+) -> TraceSet:
+    """Decode ``sessions`` greedily and record every turn's ids.
 
     Sessions of different workloads are interleaved round-robin so the token budget is
-    shared fairly when it runs out.
+    shared fairly when it runs out. The decoder comes from the one factory
+    (:mod:`agentspec.factory`) with the session-cache drafter and strict greedy
+    verification, so the traces are token-identical to greedy decoding.
 
     Args:
         target: An :class:`~agentspec.targets.hf.HFTarget` (needs a tokenizer).
-        spec: What to decode.
+        spec: Token budgets (``max_tokens``, ``max_total_tokens``).
+        sessions: Per workload, ``(workload, session)`` pairs
+            (:meth:`SessionSource.select`).
         progress: Show a tqdm bar over output tokens.
     """
     from tqdm import tqdm
 
-    from agentspec.drafters import SuffixDrafter
-    from agentspec.engine import SpeculativeDecoder
+    from agentspec.factory import build_drafter, build_engine
     from agentspec.runtime import chat_prompt_ids
+    from agentspec.spec import AgentSpec, DraftingPolicy
+    from agentspec.tokens import eos_ids
     from agentspec.types import SessionRef
 
     tok = target.tokenizer
-    eos = tok.eos_token_id
-    engine = SpeculativeDecoder(
-        target, SuffixDrafter(), decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+    agent = AgentSpec(drafting=DraftingPolicy(method="suffix", max_draft=16))
+    engine = build_engine(
+        agent, target, build_drafter(agent, target),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos_token_ids=eos_ids(tok),
     )
-    queues = select_sessions(spec)
     traces: list[Trace] = []
     total = 0
     bar = tqdm(total=spec.max_total_tokens, desc="greedy traces", unit="tok",
                disable=not progress, file=sys.stderr)
-    for wl_name, sess in _round_robin(queues):
+    for wl_name, sess in _round_robin(sessions):
         if total >= spec.max_total_tokens:
             break
         ref = SessionRef(re.sub(r"[^A-Za-z0-9_.:@-]", "_", f"trace-{sess.session_id}")[:128])
@@ -266,28 +296,6 @@ def generate_traces(target: Any, spec: TraceSpec, progress: bool = True) -> Trac
             traces.append(trace)
     bar.close()
     return TraceSet(target.name, target.vocab_size, tokenizer_fingerprint(tok), traces)
-
-
-def select_sessions(spec: TraceSpec) -> list[list[tuple[str, Any]]]:
-    """Per workload, the first ``spec.limit`` sessions whose ids are not excluded."""
-    from workflows.harness import load_workload
-
-    excluded = set(spec.exclude)
-    # num_sessions: the tool agent makes 6 sessions unless asked for more (at most 16).
-    return [[(w, s) for s in itertools.islice(
-        (s for s in load_workload(w, spec.data_dir, num_sessions=16).sessions(None, spec.turns)
-         if s.session_id not in excluded), spec.limit)]
-        for w in spec.workloads]
-
-
-def bench_session_ids(workloads: Sequence[str], first: int = 5) -> tuple[str, ...]:
-    """Ids of the first ``first`` sessions of each workload in the packaged fixture: the
-    sessions ``make bench`` measures (it reads the fixture; 5 relays and EditEval tasks,
-    3 tool-agent sessions and chats)."""
-    from workflows.harness import load_workload
-
-    return tuple(s.session_id for w in workloads
-                 for s in load_workload(w, None, num_sessions=16).sessions(first, 1))
 
 
 def _round_robin(queues: Sequence[Sequence[tuple[str, Any]]]) -> Iterable[tuple[str, Any]]:

@@ -1,8 +1,10 @@
 """``agentspec train-predictor``: greedy traces -> trace replay -> payoff predictor.
 
 Traces come from ``--traces FILE`` (a trace file, see :mod:`agentspec.payoff.traces`) or
-are generated from the shared workloads and cached under ``$AGENTSPEC_HOME/traces`` (the
-same settings reuse the same file, so a second run only replays and trains).
+are generated from the workloads' sessions (a :class:`~agentspec.payoff.traces.SessionSource`
+that the console script hands in: training never imports the benchmark harness) and cached
+under ``$AGENTSPEC_HOME/traces`` (the same settings reuse the same file, so a second run
+only replays and trains).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentspec.payoff.traces import TraceSpec
+from agentspec.payoff.traces import SessionSource, TraceSpec
 
 _DEFAULT_WORKLOADS = ",".join(TraceSpec().workloads)
 
@@ -80,12 +82,16 @@ def add_train_predictor_parser(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def run_train_predictor(args: argparse.Namespace) -> int:
-    """Run ``train-predictor``; AgentSpecErrors propagate to the CLI's handler."""
+def run_train_predictor(args: argparse.Namespace, sessions: SessionSource) -> int:
+    """Run ``train-predictor``; AgentSpecErrors propagate to the CLI's handler.
+
+    Args:
+        args: The parsed command line (:func:`add_train_predictor_parser`).
+        sessions: Where the sessions to trace come from (the workloads).
+    """
     from agentspec.models import agentspec_home
     from agentspec.payoff.defaults import token_table
     from agentspec.payoff.traces import (
-        bench_session_ids,
         generate_traces,
         read_traces,
         tokenizer_fingerprint,
@@ -107,7 +113,7 @@ def run_train_predictor(args: argparse.Namespace) -> int:
         workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
         exclude = tuple(x.strip() for x in args.exclude.split(",") if x.strip())
         if args.exclude_bench:
-            exclude += bench_session_ids(workloads)
+            exclude += sessions.bench_ids(workloads)
         spec = TraceSpec(
             workloads=workloads,
             limit=args.limit, turns=args.turns, max_tokens=args.max_tokens,
@@ -117,7 +123,8 @@ def run_train_predictor(args: argparse.Namespace) -> int:
         if path.is_file():
             print(f"reusing cached traces {path}", file=sys.stderr)
         else:
-            write_traces(generate_traces(target, spec, progress=progress), path)
+            queues = sessions.select(spec)
+            write_traces(generate_traces(target, spec, queues, progress=progress), path)
         if args.save_traces is not None:
             args.save_traces.parent.mkdir(parents=True, exist_ok=True)
             args.save_traces.write_text(path.read_text())

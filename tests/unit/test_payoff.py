@@ -347,7 +347,8 @@ def test_train_predictor_cli_help_and_refusal(tmp_path: Path, capsys) -> None:  
 
 
 def test_traced_sessions_leave_out_the_benchmarked_ones() -> None:
-    from agentspec.payoff.traces import TraceSpec, bench_session_ids, select_sessions
+    from agentspec.payoff.traces import TraceSpec
+    from workflows.training_data import bench_session_ids, select_sessions
 
     bench = bench_session_ids(["delegate52", "chat"])
     assert len(bench) == 10 and "chat-00" in bench and "delegate52-accounting" in bench

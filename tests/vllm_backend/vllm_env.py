@@ -22,5 +22,5 @@ VLLM_MISSING = not _vllm_installed()
 SKIP_REASON = "vLLM is not installed here; run `make test-vllm` (uses .venv-vllm)"
 
 # On CPU this share of RAM is reserved for one engine's KV cache; vLLM's default 0.92 fails
-# on small hosts (DESIGN.md). The tests run one engine at a time.
+# on small hosts (measured on a 2-core host). The tests run one engine at a time.
 GPU_MEMORY_UTILIZATION = 0.3
