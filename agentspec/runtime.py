@@ -21,7 +21,7 @@ from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.factory import build_drafter, build_engine
 from agentspec.interfaces import Drafter
-from agentspec.spec import AgentSpec
+from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tokens import eos_ids
 from agentspec.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
@@ -150,7 +150,7 @@ class Runtime:
         self.store = store
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
-        self._drafters: dict[tuple[str, str, int, str], Drafter | None] = {}
+        self._drafters: dict[DraftingPolicy, Drafter | None] = {}
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
     @classmethod
@@ -186,8 +186,8 @@ class Runtime:
 
     def drafter_for(self, spec: AgentSpec) -> Drafter | None:
         """The (shared, stateful) drafter serving ``spec``'s drafting policy."""
-        d = spec.drafting
-        key = (d.method, d.scope, d.max_draft, d.draft_model or "")
+        # Keyed by the whole (frozen) drafting policy: every field may shape the drafter.
+        key = spec.drafting
         if key not in self._drafters:
             self._drafters[key] = build_drafter(spec, self.target, self.store)
         return self._drafters[key]

@@ -26,6 +26,7 @@ import torch
 
 from agentspec.drafter_corpus import TeacherSeq
 from agentspec.errors import TrainingDataError
+from agentspec.tokens import eos_ids
 from agentspec.train_drafter import TrainDrafterConfig
 
 __all__ = ["DrafterData", "add_train_drafter_parser", "read_traces", "run_train_drafter"]
@@ -180,7 +181,7 @@ def run_train_drafter(args: argparse.Namespace, data: DrafterData) -> int:
         if cache is not None:
             save_teacher(cache, seqs, files.name)
     collect_s = time.monotonic() - start
-    eos = [int(tok.eos_token_id)] if tok.eos_token_id is not None else []
+    eos = eos_ids(tok)
     if args.kind == "eagle":
         return _train_eagle(args, cfg, model, files.name, seqs, Path(out), eos, end, collect_s)
     spec, tensors, report = train_student(model, seqs, cfg, target_name=files.name,

@@ -37,6 +37,7 @@ from agentspec.drafters.model import ModelDrafterConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.tokens import eos_ids
 from agentspec.types import Draft, RequestStats, SamplingParams, VerifyResult
 from agentspec.verifiers import BlockVerifier, RejectionVerifier
 from workflows.chat import PROMPTS
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     target = HFTarget.load(TargetConfig())
     tok = target.tokenizer
-    eos = [tok.eos_token_id]
+    eos = eos_ids(tok)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     cfg = EngineConfig(max_draft=args.draft)
     drafter_cfg = ModelDrafterConfig(max_tokens=args.draft, temperature=args.temperature)

@@ -79,14 +79,19 @@ class MethodContext:
         """Tokens that end a request."""
         return eos_ids(self.target.tokenizer)
 
+    def spec(self, method: str) -> AgentSpec:
+        """The AgentSpec of agentspec's ``method`` with this run's draft lengths."""
+        return method_spec(method, self.engine.max_draft, self.engine.min_draft)
 
-def method_spec(name: str, max_draft: int = 16) -> AgentSpec:
+
+def method_spec(name: str, max_draft: int = 16, min_draft: int = 1) -> AgentSpec:
     """The :class:`~agentspec.spec.AgentSpec` agentspec's method ``name`` runs.
 
     Raises:
-        BenchmarkError: ``name`` is not one of agentspec's own methods.
+        BenchmarkError: ``name`` is not one of agentspec's own methods, or the draft
+            lengths are outside what an AgentSpec accepts.
     """
-    drafting: dict[str, object] = {"max_draft": max_draft}
+    drafting: dict[str, object] = {"max_draft": max_draft, "min_draft": min_draft}
     verifier: dict[str, object] = {}
     if name in _DRAFT_METHODS:
         drafting["method"] = _DRAFT_METHODS[name]
@@ -104,8 +109,11 @@ def method_spec(name: str, max_draft: int = 16) -> AgentSpec:
         drafting.update(method="hybrid", hvd_policy=_HVD_POLICIES[name])
     else:
         raise BenchmarkError(f"{name!r} is not one of agentspec's methods")
-    return AgentSpec(drafting=DraftingPolicy(**drafting),  # type: ignore[arg-type]
-                     verifier=VerifierPolicy(**verifier))  # type: ignore[arg-type]
+    try:
+        return AgentSpec(drafting=DraftingPolicy(**drafting),  # type: ignore[arg-type]
+                         verifier=VerifierPolicy(**verifier))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise BenchmarkError(f"method {name!r}: {exc}") from None
 
 
 _DRAFT_METHODS = {"plain": "none", "prompt_lookup": "prompt_lookup", "suffix": "suffix",
@@ -208,7 +216,7 @@ def _engine(name: str) -> Factory:
     """Factory of agentspec's method ``name``: its spec (:func:`method_spec`) through the
     one factory; a missing drafter artifact fails the run before any model time is spent,
     with a BenchmarkError naming the fix."""
-    return lambda c: EngineMethod(name, c, method_spec(name, c.engine.max_draft))
+    return lambda c: EngineMethod(name, c, c.spec(name))
 
 
 Factory = Callable[[MethodContext], Method]
@@ -216,8 +224,7 @@ Factory = Callable[[MethodContext], Method]
 METHODS: dict[str, Factory] = {
     "greedy": lambda c: HFGenerateMethod("greedy", c, None, record=True),
     "hf_prompt_lookup": lambda c: HFGenerateMethod("hf_prompt_lookup", c, 10, record=False),
-    "oracle": lambda c: EngineMethod("oracle", c, method_spec("plain", c.engine.max_draft),
-                                     drafter=c.oracle),
+    "oracle": lambda c: EngineMethod("oracle", c, c.spec("plain"), drafter=c.oracle),
     **{name: _engine(name) for name in (*_DRAFT_METHODS, *_HVD_POLICIES, "model")},
     # ASD at regret budgets B = 1, 4, 16 logits per request (approximate: identical_to_greedy
     # is expected to be false where exceptions were taken).
@@ -234,7 +241,7 @@ def _distilled(c: MethodContext) -> Method:
         drafter = load_default_drafter(c.target, ModelDrafterConfig(max_tokens=6))
     except AgentSpecError as exc:
         raise BenchmarkError(f"method 'distilled' cannot be built: {exc}") from None
-    return EngineMethod("distilled", c, method_spec("plain", c.engine.max_draft), drafter)
+    return EngineMethod("distilled", c, c.spec("plain"), drafter)
 
 
 METHODS["distilled"] = _distilled

@@ -94,6 +94,11 @@ def test_every_drafting_option_reaches_the_loop(tiny_target) -> None:  # type: i
     assert drafter.config.max_tokens == 12
     engine = build_engine(spec, tiny_target, drafter)
     assert engine.config == EngineConfig(max_draft=12, min_draft=3)
+    rt = Runtime(tiny_target)  # the runtime's drafter cache tells the policies apart
+    tree = rt.drafter_for(spec)
+    assert isinstance(tree, SuffixDrafter) and tree.config.tree is True
+    assert rt.drafter_for(AgentSpec()) is not tree and rt.drafter_for(spec) is tree
+    assert rt.engine_for(spec).config == EngineConfig(max_draft=12, min_draft=3)
     with pytest.raises(ValueError, match="tree=True needs method='suffix'"):
         DraftingPolicy(method="prompt_lookup", tree=True)
     with pytest.raises(ValueError, match="strict greedy"):
