@@ -54,8 +54,9 @@ def build_verifier(policy: VerifierPolicy, ledger: RegretLedger | None = None) -
       strict greedy rule inside it, so the output is token-identical to greedy decoding.
     * ``budgeted``: ASD with the policy's B, g, M and budget scope, charging the regret
       ledger (``ledger``, or the process-wide default file under ``AGENTSPEC_HOME``).
-      Multi-draft decoding needs ``MultiDraftDecoder``; in the single-draft engine the
-      ``multi_draft`` sampler verifies one draft with GBV.
+      With ``num_drafts > 1`` the factory (:func:`agentspec.factory.build_engine`) runs
+      ``MultiDraftDecoder`` with its own :class:`MultiDraftVerifier`; with one draft the
+      ``multi_draft`` sampler verifies it with GBV.
     """
     if policy.mode == "budgeted":
         from agentspec.ledger import RegretLedger

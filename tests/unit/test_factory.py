@@ -141,6 +141,20 @@ def test_multi_draft_spec_builds_the_multi_draft_loop(tiny_target, char_decode) 
                                verifier=MULTI.verifier), tiny_target, None)
 
 
+def test_sampled_multi_draft_requests_are_seeded(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """A sampled request through the multi-draft loop depends on its seed only."""
+    spec = AgentSpec(verifier=VerifierPolicy(sampler="multi_draft", num_drafts=3,
+                                             temperature=0.9, seed=11))
+    engine = build_engine(spec, tiny_target, build_drafter(spec), eos_token_ids=[1])
+    assert isinstance(engine, MultiDraftDecoder) and engine.num_drafts == 3
+    prompt = _prompts(9)[0]
+    runs = [engine.generate(prompt, 16, sampling=spec.verifier.sampling(),
+                            session=SessionRef(f"seeded-{i}")).tokens for i in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+    other = engine.generate(prompt, 16, sampling=SamplingParams(0.9, 1.0, 0, 12))
+    assert other.tokens != runs[0] or len(other.tokens) < 4  # another seed, another draw
+
+
 def test_iid_drafts_repeat_a_point_mass_and_redraw_a_sampled_draft(tiny_model) -> None:  # type: ignore[no-untyped-def]
     ctx = DraftContext([0, 5, 6, 7, 5, 6], 6)
     gen = torch.Generator().manual_seed(0)
