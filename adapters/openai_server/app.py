@@ -243,7 +243,7 @@ def create_app(runtime: Any, config: ServerConfig | None = None) -> FastAPI:
 
     async def _stream(
         gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]
-    ) -> StreamingResponse:
+    ) -> Response:
         # Wait for the first event before answering: a bad prompt (too long, bad
         # tool_choice) is then still a proper HTTP 400 rather than an error inside a 200.
         try:

@@ -75,6 +75,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         keys=keys, model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_tokens_limit=args.max_tokens_limit, max_waiting=args.max_waiting,
+        owns_runtime=True,  # SIGTERM checkpoints and closes the store (see docs/reliability.md)
     )
 
 
