@@ -167,15 +167,10 @@ class Runtime:
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.
         """
-        from agentspec.store import SessionStore
+        from agentspec.store import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
-        opened = None
-        if store:
-            opened = SessionStore.open_or_recover(None if store is True else Path(str(store)))
-            if opened.recovered:
-                log.warning("session store was corrupt; moved to %s", opened.recovered_to)
-        return cls(target, opened, default_spec)
+        return cls(target, open_store(store), default_spec)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""

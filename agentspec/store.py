@@ -150,6 +150,23 @@ class SessionInfo:
         return asdict(self)
 
 
+def open_store(store: str | Path | bool | None) -> SessionStore | None:
+    """The one "open or recover" entry point of every runtime (embedded, LangChain, vLLM).
+
+    Args:
+        store: ``True`` for ``agentspec_home()/sessions.sqlite3``, a path, or
+            ``False``/``None`` for no store.
+
+    Returns:
+        The store in recover mode (a corrupt file is moved aside, logged, and an empty
+        store starts, so serving never fails because of it), or ``None``.
+    """
+    if not store:
+        return None
+    path = None if store is True else Path(str(store)).expanduser()
+    return SessionStore.open_or_recover(path)
+
+
 def _key(ref: SessionRef) -> _Key:
     # Re-check the ids: refs may be duck-typed, and ids end up in operators' CLI output.
     tenant, agent = getattr(ref, "tenant", None), getattr(ref, "agent", None)
