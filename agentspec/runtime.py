@@ -157,6 +157,7 @@ class Runtime:
         dtype: str = "float32",
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
+        store_config: Any | None = None,
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -166,11 +167,13 @@ class Runtime:
             store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.
+            store_config: The store's limits and per-tenant quotas
+                (:class:`agentspec.store.StoreConfig`; default limits when ``None``).
         """
         from agentspec.store import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
-        return cls(target, open_store(store), default_spec)
+        return cls(target, open_store(store, store_config), default_spec)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""

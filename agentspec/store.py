@@ -150,12 +150,15 @@ class SessionInfo:
         return asdict(self)
 
 
-def open_store(store: str | Path | bool | None) -> SessionStore | None:
+def open_store(
+    store: str | Path | bool | None, config: StoreConfig | None = None
+) -> SessionStore | None:
     """The one "open or recover" entry point of every runtime (embedded, LangChain, vLLM).
 
     Args:
         store: ``True`` for ``agentspec_home()/sessions.sqlite3``, a path, or
             ``False``/``None`` for no store.
+        config: Limits and quotas (:class:`StoreConfig`; ``recover`` is forced on).
 
     Returns:
         The store in recover mode (a corrupt file is moved aside, logged, and an empty
@@ -164,7 +167,7 @@ def open_store(store: str | Path | bool | None) -> SessionStore | None:
     if not store:
         return None
     path = None if store is True else Path(str(store)).expanduser()
-    return SessionStore.open_or_recover(path)
+    return SessionStore.open_or_recover(path, config)
 
 
 def _key(ref: SessionRef) -> _Key:
