@@ -71,6 +71,8 @@ class Harness:
         resp = self.client.post("/v1/chat/completions", content=content, headers=hdrs)
         assert resp.status_code < 500, (resp.status_code, resp.text[:500], content[:500])
         if resp.status_code != 200:
+            assert resp.headers.get("content-type", "").startswith("application/json"), (
+                resp.status_code, resp.headers, resp.text[:300], content[:300])
             err = resp.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], err
             assert self.turns() == before, "a refused request stored a turn"
@@ -78,12 +80,16 @@ class Harness:
         SENT["served"] += 1
         if resp.headers["content-type"].startswith("text/event-stream"):
             SENT["streamed"] += 1
-            events = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+            # SSE lines end at \n only; str.splitlines() would also split inside a JSON
+            # string at U+0085 or U+2028, which the stream legitimately carries raw.
+            events = [ln[6:] for ln in resp.text.split("\n") if ln.startswith("data: ")]
             assert events and events[-1] == "[DONE]", resp.text[-300:]
             chunks = [json.loads(e) for e in events[:-1]]
             assert all("error" not in c for c in chunks), chunks
             assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)
         else:
+            assert resp.headers.get("content-type", "").startswith("application/json"), (
+                resp.status_code, resp.headers, resp.text[:300], content[:300])
             out = resp.json()
             assert out["object"] == "chat.completion" and out["choices"][0]["finish_reason"]
         sid = resp.headers.get("x-session-id")

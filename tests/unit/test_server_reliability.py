@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,13 @@ def test_http_client_that_leaves_while_queued_gets_no_work(store: SessionStore) 
         with pytest.raises(httpx.ReadTimeout):  # queued behind WAIT, the client gives up
             httpx.post(url, json=_body("left"), headers={"X-Session-Id": "gone"},
                        timeout=httpx.Timeout(30, read=0.3))
+        # Release the model only once the server has seen the hang-up (on a loaded machine
+        # the event loop may take a moment to read the closed socket).
+        service = srv.app.state.service
+        deadline = time.monotonic() + 60
+        while not all(g.cancelled for g in list(service._queued)):
+            assert time.monotonic() < deadline, "the server never noticed the hang-up"
+            time.sleep(0.01)
         rt.release.set()
         blocker.join()
         while httpx.get(f"{srv.root}/health").json()["waiting"]:
