@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from adapters.openai_server.errors import APIError, bad_request
+from adapters.openai_server.errors import bad_request
 from agentspec.conversation_checks import check_tool_replies, check_tool_schemas
 from agentspec.errors import ConfigError
 
@@ -85,4 +85,4 @@ def check_conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any
                           ) from None
 
 
-__all__ = ["MAX_JSON_DEPTH", "APIError", "check_conversation", "parse_json"]
+__all__ = ["MAX_JSON_DEPTH", "check_conversation", "parse_json"]

@@ -396,3 +396,27 @@ def test_a_body_that_never_arrives_gets_a_408() -> None:
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408")
     assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_serve_flags_reach_the_store_quotas(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from adapters.openai_server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--tenant-max-sessions", "7", "--tenant-max-tokens",
+                              "900", "--no-store"])
+    assert cli.build_config(args).owns_runtime  # serve closes the store it opened
+    seen: dict[str, Any] = {}
+
+    def fake_load(*_: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise ConfigError("stop before loading a model")
+
+    monkeypatch.setattr("agentspec.runtime.Runtime.load", fake_load)
+    assert cli.run_serve(args) == 2
+    quotas = seen["store_config"]
+    assert (quotas.max_sessions_per_tenant, quotas.max_tokens_per_tenant) == (7, 900)
+    with pytest.raises(ConfigError, match="max_tokens_per_tenant"):
+        StoreConfig(max_tokens_per_tenant=0)
