@@ -362,6 +362,8 @@ class SessionStore:
             "file_bytes": self._db.file_bytes(),
             "max_sessions": self.config.max_sessions,
             "max_tokens_per_session": self.config.max_tokens_per_session,
+            "max_sessions_per_tenant": self.config.max_sessions_per_tenant,
+            "max_tokens_per_tenant": self.config.max_tokens_per_tenant,
             "recovered": self.recovered,
             "recovered_to": str(self.recovered_to) if self.recovered_to else None,
         }
