@@ -8,6 +8,12 @@ session has spent, in how many exceptions, over how many requests. It lives in o
 file (``$AGENTSPEC_HOME/ledger.sqlite`` by default, WAL mode), so it survives restarts and
 is shared by the processes of one machine; every update is a single ``BEGIN IMMEDIATE``
 upsert that *adds* to the stored totals, so concurrent writers never lose an update.
+
+The file is opened through :class:`agentspec.storage.SQLiteFile`, the layer the session
+store uses too: the same retries while other processes hold the write lock, the same
+detection of damaged files (:class:`~agentspec.errors.StoreCorruptError`, or quarantine
+with ``recover=True``), WAL checkpoint on close and online backup. Strict is the default:
+a ledger that silently started empty would hand every session a fresh regret budget.
 """
 
 from __future__ import annotations
@@ -20,18 +26,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
-from agentspec.errors import ConfigError, StoreError
+from agentspec.errors import ConfigError
 from agentspec.models import agentspec_home
+from agentspec.storage import Schema, SQLiteFile
 from agentspec.types import SessionRef
 
-__all__ = ["LedgerEntry", "RegretLedger"]
+__all__ = ["LEDGER_SCHEMA", "LedgerEntry", "RegretLedger"]
 
 T = TypeVar("T")
 
-_DDL = (
-    "CREATE TABLE IF NOT EXISTS ledger (tenant TEXT NOT NULL, agent TEXT NOT NULL,"
-    " session TEXT NOT NULL, regret REAL NOT NULL, exceptions INTEGER NOT NULL,"
-    " requests INTEGER NOT NULL, updated REAL NOT NULL, PRIMARY KEY (tenant, agent, session))"
+LEDGER_SCHEMA = Schema(
+    kind="regret ledger",
+    app_id=0x4147524C,  # "AGRL"
+    version=1,
+    ddl=(
+        "CREATE TABLE IF NOT EXISTS ledger (tenant TEXT NOT NULL, agent TEXT NOT NULL,"
+        " session TEXT NOT NULL, regret REAL NOT NULL, exceptions INTEGER NOT NULL,"
+        " requests INTEGER NOT NULL, updated REAL NOT NULL,"
+        " PRIMARY KEY (tenant, agent, session))",
+    ),
+    legacy_tables=frozenset({"ledger"}),  # files written before the header was stamped
+    recover_hint="open it with RegretLedger(path, recover=True)",
 )
 # Add the deltas to the stored totals (or insert them): one atomic statement.
 _UPSERT = (
@@ -68,33 +83,25 @@ class RegretLedger:
         path: SQLite file (created with its folder), ``":memory:"`` for a private
             in-memory ledger, or ``None`` for ``$AGENTSPEC_HOME/ledger.sqlite``.
         busy_timeout_s: How long a write waits for other processes' write locks.
+        recover: Move a damaged file aside and start an empty ledger instead of raising.
 
     Raises:
-        ConfigError: ``path`` is a folder.
-        StoreError: the file cannot be opened or is not a ledger.
+        ConfigError: ``path`` is a folder, or an SQLite file that is not a ledger.
+        StoreCorruptError: the file is damaged (and ``recover`` is False).
+        StoreError: the file cannot be opened.
     """
 
     _shared: ClassVar[dict[str, RegretLedger]] = {}
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, path: str | Path | None = None, busy_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, path: str | Path | None = None, busy_timeout_s: float = 10.0,
+        recover: bool = False,
+    ) -> None:
         self.path = str(path) if path is not None else str(agentspec_home() / "ledger.sqlite")
         if self.path != ":memory:":
-            p = Path(self.path)
-            if p.is_dir():
-                raise ConfigError(f"ledger path {p} is a folder, not a file")
-            p.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        try:
-            # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE below).
-            self._conn = sqlite3.connect(
-                self.path, busy_timeout_s, isolation_level=None, check_same_thread=False
-            )
-            if self.path != ":memory:":
-                self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(_DDL)
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"regret ledger {self.path}: {exc}") from exc
+            self.path = str(Path(self.path).expanduser().absolute())
+        self._db = SQLiteFile(self.path, LEDGER_SCHEMA, busy_timeout_s, recover=recover)
 
     @classmethod
     def default(cls, path: str | Path | None = None) -> RegretLedger:
@@ -161,25 +168,15 @@ class RegretLedger:
         return {(r[0], r[1], r[2]): LedgerEntry(float(r[3]), int(r[4]), int(r[5])) for r in rows}
 
     def close(self) -> None:
-        """Close the connection."""
-        with self._lock:
-            self._conn.close()
+        """Checkpoint the WAL into the file and close the connection."""
+        self._db.close()
+
+    def backup(self, dest: str | Path) -> None:
+        """A consistent copy of the live ledger in a new file (SQLite's online backup)."""
+        self._db.backup(Path(dest))
 
     def _run(self, fn: Callable[[sqlite3.Connection], T], write: bool) -> T:
-        with self._lock:
-            try:
-                if not write:
-                    return fn(self._conn)
-                self._conn.execute("BEGIN IMMEDIATE")  # take the write lock up front
-                try:
-                    out = fn(self._conn)
-                    self._conn.execute("COMMIT")
-                    return out
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-            except sqlite3.DatabaseError as exc:
-                raise StoreError(f"regret ledger {self.path}: {exc}") from exc
+        return self._db.run(fn, txn=write)
 
 
 def _key(session: SessionRef) -> tuple[str, str, str]:

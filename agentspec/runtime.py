@@ -160,6 +160,7 @@ class Runtime:
         dtype: str = "float32",
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
+        store_config: Any | None = None,
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -169,16 +170,13 @@ class Runtime:
             store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.
+            store_config: The store's limits and per-tenant quotas
+                (:class:`agentspec.store.StoreConfig`; default limits when ``None``).
         """
-        from agentspec.store import SessionStore
+        from agentspec.store import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
-        opened = None
-        if store:
-            opened = SessionStore.open_or_recover(None if store is True else Path(str(store)))
-            if opened.recovered:
-                log.warning("session store was corrupt; moved to %s", opened.recovered_to)
-        return cls(target, opened, default_spec)
+        return cls(target, open_store(store, store_config), default_spec)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""

@@ -1,6 +1,8 @@
 """``agentspec sessions``: the operators' view of the persistent session store.
 
-Sub-commands: ``list``, ``show``, ``delete``, ``export`` and ``stats``. A session is named
+Sub-commands: ``list``, ``show``, ``delete``, ``export``, ``stats`` and ``backup`` (a
+consistent copy of the live store through SQLite's online backup API, safe while a server
+writes to it). A session is named
 by one argument, ``TENANT/AGENT/SESSION`` (ids never contain ``/``), or just ``SESSION``
 for the ``default`` tenant and agent. Every failure prints one line to stderr and exits
 with status 2. Wire it into a top-level parser with :func:`add_sessions_parser`, or run it
@@ -90,6 +92,11 @@ def add_sessions_parser(
     export.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     stats = sub.add_parser("stats", parents=[common], help="store totals", epilog=_EPILOG)
     stats.add_argument("--json", action="store_true", help="print JSON")
+    backup = sub.add_parser(
+        "backup", parents=[common], epilog=_EPILOG,
+        help="copy the live store to a new file (SQLite online backup; safe while serving)",
+    )
+    backup.add_argument("dest", metavar="FILE", help="the new file (must not exist)")
     return parser
 
 
@@ -178,8 +185,18 @@ def _stats(store: SessionStore, args: argparse.Namespace) -> int:
     return 0
 
 
+def _backup(store: SessionStore, args: argparse.Namespace) -> int:
+    out = store.backup(args.dest)
+    with SessionStore(out, StoreConfig(verify_on_open=True)) as copy:  # it opens on its own
+        stats = copy.stats()
+    print(f"backed up {stats['sessions']} sessions ({stats['turns']} turns, "
+          f"{stats['tokens']} tokens) to {out}", file=sys.stderr)
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[SessionStore, argparse.Namespace], int]] = {
     "list": _list, "show": _show, "delete": _delete, "export": _export, "stats": _stats,
+    "backup": _backup,
 }
 
 

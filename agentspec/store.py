@@ -7,7 +7,18 @@ turn is either fully there or absent.
 
 Concurrency: one connection per store behind a lock (threads); WAL mode, ``BEGIN IMMEDIATE``
 (writers queue on SQLite's busy handler instead of dead-locking on a lock upgrade) and
-retries on ``database is locked`` (processes). See :mod:`agentspec._store_db`.
+retries on ``database is locked`` (processes). See :mod:`agentspec.storage`, the SQLite
+layer this store shares with the regret ledger.
+
+Quotas and fairness: ``max_sessions`` bounds the whole store; ``max_sessions_per_tenant``
+and ``max_tokens_per_tenant`` bound each tenant. A tenant over its own quota evicts its own
+least recently used sessions; when the whole store is full, the victims come from the
+tenant holding the most sessions, so one busy tenant cannot push every other tenant's
+history out.
+
+Durability: :meth:`SessionStore.close` checkpoints the write-ahead log into the main file,
+so after a clean shutdown the file alone holds every acknowledged turn;
+:meth:`SessionStore.backup` copies a live store with SQLite's online backup API.
 
 Corruption: a damaged file (garbage, truncation) is found on open by ``PRAGMA quick_check``
 or later by SQLite's CORRUPT/NOTADB errors and raises :class:`StoreCorruptError` naming the
@@ -32,7 +43,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agentspec._store_db import SYNC_MODES, StoreDB
 from agentspec.errors import (
     ConfigError,
     SessionTooLargeError,
@@ -40,6 +50,7 @@ from agentspec.errors import (
     UnknownSessionError,
 )
 from agentspec.models import agentspec_home
+from agentspec.storage import SYNC_MODES, Schema, SQLiteFile
 from agentspec.types import SessionRef, check_id
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,27 @@ STORE_FILE = "sessions.sqlite3"
 EXPORT_FORMAT = "agentspec.session/1"
 _Key = tuple[str, str, str]
 
+SESSION_SCHEMA = Schema(
+    kind="session store",
+    app_id=0x41475350,  # "AGSP" in the SQLite header: tells our files from foreign databases
+    version=1,
+    ddl=(
+        "CREATE TABLE IF NOT EXISTS sessions (id INTEGER PRIMARY KEY, tenant TEXT NOT NULL,"
+        " agent TEXT NOT NULL, session_id TEXT NOT NULL, turns INTEGER NOT NULL,"
+        " tokens INTEGER NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL,"
+        " UNIQUE (tenant, agent, session_id))",
+        "CREATE INDEX IF NOT EXISTS sessions_lru ON sessions (last_used, id)",
+        # One row per turn: int32 little-endian token ids in ``data``, ``crc`` = crc32(data).
+        "CREATE TABLE IF NOT EXISTS turns (session INTEGER NOT NULL, idx INTEGER NOT NULL,"
+        " n INTEGER NOT NULL, crc INTEGER NOT NULL, data BLOB NOT NULL,"
+        " PRIMARY KEY (session, idx))",
+    ),
+    recover_hint=(
+        "open it in recover mode (SessionStore.open_or_recover, "
+        "`agentspec sessions --recover ...`)"
+    ),
+)
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -55,10 +87,15 @@ class StoreConfig:
 
     Attributes:
         max_sessions: Sessions kept; an append that creates one more evicts the least
-            recently used sessions (by load or append) beyond it.
+            recently used sessions (by load or append) of the tenant holding the most.
         max_tokens_per_session: An append that would take a session past it raises
             :class:`SessionTooLargeError` and writes nothing.
         max_tokens_per_turn: Optional cap on one turn (same error).
+        max_sessions_per_tenant: Optional cap per tenant; an append that creates one more
+            evicts that tenant's own least recently used sessions.
+        max_tokens_per_tenant: Optional cap on a tenant's stored tokens; an append past it
+            evicts that tenant's own least recently used sessions (never the one appended
+            to; if that one alone is too large, :class:`SessionTooLargeError`).
         busy_timeout_s: How long to wait for other writers before ``StoreBusyError``.
         synchronous: SQLite ``synchronous`` mode. ``NORMAL`` (WAL) survives process
             crashes and SIGKILL; ``FULL`` also survives power loss, at an fsync per turn.
@@ -70,13 +107,16 @@ class StoreConfig:
     max_sessions: int = 10_000
     max_tokens_per_session: int = 4_000_000
     max_tokens_per_turn: int | None = None
+    max_sessions_per_tenant: int | None = None
+    max_tokens_per_tenant: int | None = None
     busy_timeout_s: float = 10.0
     synchronous: str = "NORMAL"
     verify_on_open: bool = True
     recover: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_tokens_per_session", "max_tokens_per_turn"):
+        for name in ("max_sessions", "max_tokens_per_session", "max_tokens_per_turn",
+                     "max_sessions_per_tenant", "max_tokens_per_tenant"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")
@@ -108,6 +148,26 @@ class SessionInfo:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
         return asdict(self)
+
+
+def open_store(
+    store: str | Path | bool | None, config: StoreConfig | None = None
+) -> SessionStore | None:
+    """The one "open or recover" entry point of every runtime (embedded, LangChain, vLLM).
+
+    Args:
+        store: ``True`` for ``agentspec_home()/sessions.sqlite3``, a path, or
+            ``False``/``None`` for no store.
+        config: Limits and quotas (:class:`StoreConfig`; ``recover`` is forced on).
+
+    Returns:
+        The store in recover mode (a corrupt file is moved aside, logged, and an empty
+        store starts, so serving never fails because of it), or ``None``.
+    """
+    if not store:
+        return None
+    path = None if store is True else Path(str(store)).expanduser()
+    return SessionStore.open_or_recover(path, config)
 
 
 def _key(ref: SessionRef) -> _Key:
@@ -154,8 +214,9 @@ class SessionStore:
         path = Path(path).expanduser() if path is not None else agentspec_home() / STORE_FILE
         self.path = path.absolute()  # messages name the file unambiguously
         cfg = self.config
-        self._db = StoreDB(
-            self.path, cfg.busy_timeout_s, cfg.synchronous, cfg.verify_on_open, cfg.recover
+        self._db = SQLiteFile(
+            self.path, SESSION_SCHEMA, cfg.busy_timeout_s, cfg.synchronous,
+            cfg.verify_on_open, cfg.recover,
         )
 
     @classmethod
@@ -217,12 +278,18 @@ class SessionStore:
                     f"max_tokens_per_session={cfg.max_tokens_per_session}; nothing was written. "
                     "Start a new session or raise the limit."
                 )
+            if cfg.max_tokens_per_tenant is not None and have + n > cfg.max_tokens_per_tenant:
+                raise SessionTooLargeError(
+                    f"session {'/'.join(key)} would hold {have + n} tokens, more than its "
+                    f"tenant's max_tokens_per_tenant={cfg.max_tokens_per_tenant}; nothing "
+                    "was written"
+                )
             conn.execute("INSERT INTO turns VALUES (?, ?, ?, ?, ?)", (sid, turns, n, crc, data))
             conn.execute(
                 "UPDATE sessions SET turns=turns+1, tokens=tokens+?, last_used=? WHERE id=?",
                 (n, now, sid),
             )
-            self._evict(conn, sid)
+            self._evict(conn, sid, key[0])
 
         self._db.run(write)
 
@@ -295,12 +362,36 @@ class SessionStore:
             "file_bytes": self._db.file_bytes(),
             "max_sessions": self.config.max_sessions,
             "max_tokens_per_session": self.config.max_tokens_per_session,
+            "max_sessions_per_tenant": self.config.max_sessions_per_tenant,
+            "max_tokens_per_tenant": self.config.max_tokens_per_tenant,
             "recovered": self.recovered,
             "recovered_to": str(self.recovered_to) if self.recovered_to else None,
         }
 
+    def checkpoint(self) -> bool:
+        """Copy the write-ahead log into the main file; True when all of it was copied."""
+        return self._db.checkpoint()
+
+    def backup(self, dest: str | Path) -> Path:
+        """Write a consistent copy of the live store to a new file ``dest``; return its path.
+
+        Uses SQLite's online backup API: writers (this and other processes) may go on; the
+        copy is one committed state, WAL contents included, in a single self-contained file.
+
+        Raises:
+            ConfigError: ``dest`` exists.
+            StoreError: SQLite failed.
+        """
+        out = Path(dest).expanduser().absolute()
+        self._db.backup(out)
+        return out
+
     def close(self) -> None:
-        """Close the store; later calls raise ``StoreError``."""
+        """Checkpoint the WAL into the main file and close; later calls raise ``StoreError``.
+
+        After ``close`` the main file alone (``sqlite3 sessions.sqlite3``, or a copy of just
+        that file) holds every turn this store acknowledged.
+        """
         self._db.close()
 
     def __enter__(self) -> SessionStore:
@@ -347,16 +438,48 @@ class SessionStore:
             skipped.append(idx)
         return turns, skipped
 
-    def _evict(self, conn: sqlite3.Connection, keep: int) -> None:
-        """Drop the least recently used sessions (never ``keep``) beyond ``max_sessions``."""
-        extra = conn.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-        extra -= self.config.max_sessions
-        if extra <= 0:
-            return
-        lru = "SELECT id FROM sessions WHERE id != ? ORDER BY last_used, id LIMIT ?"
-        victims = [r[0] for r in conn.execute(lru, (keep, extra))]
-        self._drop(conn, victims)
-        log.info("session store %s: evicted %d least recently used sessions", self.path, extra)
+    def _evict(self, conn: sqlite3.Connection, keep: int, tenant: str) -> None:
+        """Enforce the quotas after an append to session ``keep`` of ``tenant``.
+
+        First the tenant's own quotas (its least recently used sessions go), then the
+        store-wide ``max_sessions`` (victims from the tenant holding the most sessions).
+        ``keep`` is never evicted.
+        """
+        cfg, victims = self.config, []
+        lru = "SELECT id, tokens FROM sessions WHERE tenant=? AND id != ? ORDER BY last_used, id"
+        if cfg.max_sessions_per_tenant is not None or cfg.max_tokens_per_tenant is not None:
+            count, tokens = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM sessions WHERE tenant=?",
+                (tenant,),
+            ).fetchone()
+            max_count = cfg.max_sessions_per_tenant or count
+            max_tokens = cfg.max_tokens_per_tenant or tokens
+            for sid, n in conn.execute(lru, (tenant, keep)):
+                if count <= max_count and tokens <= max_tokens:
+                    break
+                victims.append(sid)
+                count, tokens = count - 1, tokens - n
+            self._drop(conn, victims)
+        extra = conn.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] - cfg.max_sessions
+        while extra > 0:
+            # The heaviest tenant pays for a full store; ties go to the one appending now.
+            heavy = conn.execute(
+                "SELECT tenant, COUNT(*) AS n FROM sessions GROUP BY tenant "
+                "ORDER BY n DESC, tenant = ? DESC, tenant LIMIT 1", (tenant,)
+            ).fetchone()
+            rows = conn.execute(lru + " LIMIT ?", (heavy[0], keep, extra)).fetchall()
+            if not rows:  # only ``keep`` is left in that tenant: fall back to the global LRU
+                rows = conn.execute(
+                    "SELECT id, tokens FROM sessions WHERE id != ? ORDER BY last_used, id "
+                    "LIMIT ?", (keep, extra)).fetchall()
+            if not rows:
+                break
+            self._drop(conn, [r[0] for r in rows])
+            victims += [r[0] for r in rows]
+            extra -= len(rows)
+        if victims:
+            log.info("session store %s: evicted %d least recently used sessions",
+                     self.path, len(victims))
 
     @staticmethod
     def _drop(conn: sqlite3.Connection, ids: list[int]) -> None:

@@ -49,12 +49,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+# fullmatch, never ``match`` with ``$``: ``$`` also matches before a final newline, and an id
+# with a trailing "\n" once passed, generated an answer and then broke the response header.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 
 
 def check_id(kind: str, value: str) -> str:
-    """Validate a tenant, agent or session id (1-128 chars of ``[A-Za-z0-9_.:@-]``)."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    """Validate a tenant, agent or session id (1-128 chars of ``[A-Za-z0-9_.:@-]``).
+
+    The whole string must match: no whitespace, newline or other control character anywhere,
+    because ids travel in HTTP headers, log lines and operators' CLI output.
+    """
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
         raise ConfigError(
             f"invalid {kind} id {value!r}: use 1-128 characters from [A-Za-z0-9_.:@-], "
             "starting with a letter or digit"

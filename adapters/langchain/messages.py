@@ -31,6 +31,7 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool_call, tool_call
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
+from agentspec.conversation_checks import check_tool_replies
 from agentspec.errors import ConfigError
 from agentspec.tool_calls import InvalidToolCall as RawInvalidCall
 from agentspec.tool_calls import ToolCall as RawCall
@@ -97,6 +98,24 @@ def _arguments_json(call: ToolCall, where: str) -> str:
         ) from exc
 
 
+def _check_replies(messages: Sequence[BaseMessage]) -> None:
+    """Each ToolMessage must answer a (valid or invalid) call of an earlier AIMessage."""
+    shadow: list[dict[str, Any]] = []
+    for msg in messages:
+        if isinstance(msg, AIMessage):
+            # Malformed calls are answered too (an error result tells the model what failed).
+            calls = [*msg.tool_calls, *msg.invalid_tool_calls]
+            shadow.append({"role": "assistant", "tool_calls": [{"id": c.get("id")} for c in calls]})
+        elif isinstance(msg, ToolMessage):
+            shadow.append({"role": "tool", "tool_call_id": msg.tool_call_id})
+        else:
+            shadow.append({"role": "other"})
+    try:
+        check_tool_replies(shadow)
+    except ConfigError as exc:
+        raise MessageConversionError(f"{exc} (ToolMessage.tool_call_id)") from None
+
+
 def to_agentspec_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     """Convert LangChain messages to the runtime's dict messages.
 
@@ -110,9 +129,11 @@ def to_agentspec_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any
 
     Raises:
         MessageConversionError: an unsupported message type or role, non-text content,
-            or tool-call arguments that are not JSON-serialisable.
+            tool-call arguments that are not JSON-serialisable, or a ``ToolMessage`` that
+            answers no earlier tool call.
     """
     out: list[dict[str, Any]] = []
+    _check_replies(messages)
     for i, msg in enumerate(messages):
         where = f"message {i} ({type(msg).__name__})"
         text = content_text(msg.content, where) if isinstance(msg, BaseMessage) else ""

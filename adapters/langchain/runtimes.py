@@ -49,7 +49,7 @@ def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = 
         ModelLoadError: the model cannot be found or loaded.
         ConfigError: an invalid dtype.
     """
-    from agentspec.store import SessionStore
+    from agentspec.store import open_store
 
     key = (model or "", dtype, _store_key(store))
     with _GUARD:
@@ -61,13 +61,7 @@ def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = 
             target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
             _TARGETS[target_key] = (target, threading.RLock())
         target, lock = _TARGETS[target_key]
-        opened = None
-        if store:
-            path = None if store is True else Path(str(store)).expanduser()
-            opened = SessionStore.open_or_recover(path)
-            if opened.recovered:
-                log.warning("session store was corrupt; moved to %s", opened.recovered_to)
-        runtime = Runtime(target, opened)
+        runtime = Runtime(target, open_store(store))
         runtime.lock = lock  # one KV cache per target: all its runtimes take the same lock
         _RUNTIMES[key] = runtime
         return runtime

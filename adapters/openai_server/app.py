@@ -8,7 +8,7 @@ input gets an OpenAI-style error body instead of FastAPI's own shape.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,14 +26,17 @@ from adapters.openai_server.config import ServerConfig, is_loopback
 from adapters.openai_server.errors import (
     APIError,
     bad_request,
+    body_timeout,
     error_body,
     from_exception,
     model_not_found,
     too_large,
 )
+from adapters.openai_server.guard import ErrorGuard
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.schemas import ChatCompletionRequest, ModelCard, ModelList, now
 from adapters.openai_server.service import ChatService, Generation, Job, build_job
+from adapters.openai_server.validation import check_conversation, parse_json
 from agentspec.interfaces import ChatRuntime
 
 log = logging.getLogger(__name__)
@@ -50,16 +53,44 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), (loc[0] if loc else None)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():  # chunked uploads have no content-length
-        body.extend(chunk)
-        if len(body) > limit:
-            raise too_large(limit)
+    try:
+        async with asyncio.timeout(timeout_s):  # a body that never arrives: 408, not a hang
+            async for chunk in request.stream():  # chunked uploads have no content-length
+                body.extend(chunk)
+                if len(body) > limit:
+                    raise too_large(limit)
+    except TimeoutError:
+        raise body_timeout(timeout_s) from None
     return bytes(body)
+
+
+async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
+    """Cancel ``gen`` when the client hangs up (a queued job is then skipped)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.cancel()
+            return
+
+
+def _close_store(runtime: Any) -> None:
+    """Checkpoint and close the runtime's session store (ends with an empty WAL)."""
+    store = getattr(runtime, "store", None)
+    close = getattr(store, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # shutdown goes on; the WAL is still replayed on the next open
+            log.exception("closing the session store failed")
+
+
+class _ClientGone(Exception):
+    """The generation ended because its client disconnected."""
 
 
 def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> FastAPI:
@@ -85,11 +116,17 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        # uvicorn has stopped accepting connections and given open requests their graceful
+        # time; abort what still waits, let the running generation end, then close the store
+        # so every acknowledged turn is in the main file, not only in its WAL.
         service.shutdown()
+        if config.owns_runtime:
+            _close_store(runtime)
 
     app = FastAPI(title="agentspec", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config, app.state.metrics, app.state.service = config, metrics, service
+    app.add_middleware(ErrorGuard, metrics=metrics)
 
     def api_error(exc: APIError) -> JSONResponse:
         metrics.error(exc.status)
@@ -145,11 +182,8 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        raw = await _read_body(request, config.max_request_bytes)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        raw = await _read_body(request, config.max_request_bytes, config.body_timeout_s)
+        data = parse_json(raw)
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
         try:
@@ -159,6 +193,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
             raise bad_request(message, param) from None
         if req.model not in served:
             raise model_not_found(req.model, served)
+        check_conversation(data["messages"], data.get("tools") if req.tools else None)
         job = build_job(
             req, data.get("tools") if req.tools else None, tenant=tenant,
             session_header=request.headers.get(SESSION_HEADER),
@@ -167,10 +202,17 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         )
         gen = service.submit(job)
         headers = {"X-Session-Id": job.session.session_id} if job.session else {}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _stream(gen, job, include_usage, headers)
-        return await _complete(gen, job, headers)
+        # Until the answer (or a stream's first event) exists, watch for the client leaving:
+        # a departed client's job is skipped or stopped, and its turn is never stored.
+        # A started stream is watched by Starlette itself, so the watcher ends before that.
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        try:
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await _stream(gen, job, include_usage, headers)
+            return await _complete(gen, job, headers)
+        finally:
+            watcher.cancel()
 
     async def _first(gen: Generation) -> tuple[str, Any]:
         try:
@@ -178,6 +220,8 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         except BaseException:
             gen.cancel()  # the client went away while queued
             raise
+        if kind == "cancelled":
+            raise _ClientGone
         if kind == "error":
             err = from_exception(payload)
             if err.status >= 500:
@@ -185,10 +229,14 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
             raise err
         return kind, payload
 
-    async def _complete(gen: Generation, job: Job, headers: dict[str, str]) -> JSONResponse:
-        kind, payload = await _first(gen)
-        while kind == "delta":
+    async def _complete(gen: Generation, job: Job, headers: dict[str, str]) -> Response:
+        try:
             kind, payload = await _first(gen)
+            while kind == "delta":
+                kind, payload = await _first(gen)
+        except _ClientGone:  # nobody is listening: no answer, and no turn was stored
+            metrics.aborted()
+            return Response(status_code=499)
         sid = job.session.session_id if job.session else None
         metrics.finished(payload.stats, responses.finish_reason_of(payload, job.tools_active),
                          time.perf_counter() - gen.submitted)
@@ -197,10 +245,14 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
 
     async def _stream(
         gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]
-    ) -> StreamingResponse:
+    ) -> Response:
         # Wait for the first event before answering: a bad prompt (too long, bad
         # tool_choice) is then still a proper HTTP 400 rather than an error inside a 200.
-        first = await _first(gen)
+        try:
+            first = await _first(gen)
+        except _ClientGone:
+            metrics.aborted()
+            return Response(status_code=499)
         writer = responses.ChunkWriter(model_name, job.tools_active, include_usage)
         sid = job.session.session_id if job.session else None
 
@@ -222,6 +274,8 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
                         finished = True
                         for chunk in writer.finish(payload, sid):
                             yield chunk
+                        return
+                    elif kind == "cancelled":
                         return
                     else:  # an error after the response started: report it in-band
                         finished = True

@@ -79,10 +79,14 @@ class KeyRing:
             return LOCAL_TENANT
         if not authorization:
             raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        # Exactly "Bearer <key>": the spelling every OpenAI client sends. A lower-case
+        # scheme or a key padded with blanks is a hand-built header with a bug in it; a
+        # lenient match would hide that the key is not the configured one byte for byte.
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
-        tenant = self.tenants_by_digest.get(_digest(token.strip()))
+        if scheme != "Bearer" or not token or token != token.strip() or " " in token:
+            raise unauthorized("Malformed Authorization header: expected 'Bearer <key>' "
+                               "(capital B, one space, no blanks around the key).")
+        tenant = self.tenants_by_digest.get(_digest(token))
         if tenant is None:
             # Never echo the key back: error bodies end up in client logs.
             raise unauthorized("Incorrect API key provided.")
@@ -110,14 +114,30 @@ def parse_env(value: str) -> KeyRing:
         ConfigError: an item without ``=``, an empty key or an invalid tenant.
     """
     keys: dict[str, str] = {}
-    for item in (part.strip() for part in value.split(",")):
+    for n, item in enumerate(part.strip() for part in value.split(",")):
         if not item:
             continue
         key, sep, tenant = item.partition("=")
         if not sep:
             raise ConfigError(f"{ENV_VAR} items must look like key=tenant; one has no '='")
-        keys[key.strip()] = tenant.strip()
+        key = key.strip()
+        if key in keys:
+            # A silent last-wins rebinding would hand one tenant's key to another tenant.
+            raise ConfigError(
+                f"{ENV_VAR} names one key twice (item {n + 1}, for tenants "
+                f"{keys[key]!r} and {tenant.strip()!r}); each key belongs to one tenant"
+            )
+        keys[key] = tenant.strip()
     return KeyRing.from_mapping(keys)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json.loads would keep the last silently: a key bound to 2 tenants
+            raise ValueError("a key appears twice in one object")
+        out[key] = value
+    return out
 
 
 def load_file(path: str | Path) -> KeyRing:
@@ -138,7 +158,7 @@ def load_file(path: str | Path) -> KeyRing:
     try:
         data: Any = (
             tomllib.loads(raw.decode("utf-8")) if path.suffix.lower() == ".toml"
-            else json.loads(raw)
+            else json.loads(raw, object_pairs_hook=_no_duplicates)
         )
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"API key file {path} is not valid JSON/TOML: {exc}") from None

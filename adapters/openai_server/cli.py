@@ -48,6 +48,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="session store file (default: sessions.sqlite3 in AGENTSPEC_HOME)")
     store.add_argument("--no-store", action="store_true",
                        help="keep session caches in memory only")
+    p.add_argument("--tenant-max-sessions", type=_positive, default=None, metavar="N",
+                   help="sessions stored per tenant; a tenant past it evicts its own least "
+                        "recently used sessions (default: no per-tenant cap)")
+    p.add_argument("--tenant-max-tokens", type=_positive, default=None, metavar="N",
+                   help="tokens stored per tenant, evicting within the tenant (default: no cap)")
     p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--default-max-tokens", type=_positive, default=256,
@@ -75,6 +80,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         keys=keys, model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_tokens_limit=args.max_tokens_limit, max_waiting=args.max_waiting,
+        owns_runtime=True,  # SIGTERM checkpoints and closes the store (see docs/reliability.md)
     )
 
 
@@ -92,9 +98,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from agentspec.store import StoreConfig
+
     store: Path | bool = False if args.no_store else (args.store or True)
+    quotas = StoreConfig(max_sessions_per_tenant=args.tenant_max_sessions,
+                         max_tokens_per_tenant=args.tenant_max_tokens)
     try:
-        runtime = Runtime.load(args.model, dtype=args.dtype, store=store)
+        runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2

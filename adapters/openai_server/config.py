@@ -38,6 +38,11 @@ class ServerConfig:
         default_max_tokens: Completion tokens when a request names no limit.
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
         max_waiting: Requests that may wait for the model at once; more get a 503.
+        body_timeout_s: A request body not fully received in this time gets a 408 (a
+            declared ``Content-Length`` that never arrives must not hold a connection).
+        owns_runtime: The app closes the runtime's session store on shutdown (WAL
+            checkpointed into the main file). The CLI sets it; tests that share one runtime
+            between several apps leave it off.
     """
 
     keys: KeyRing = field(default_factory=KeyRing)
@@ -47,6 +52,8 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_waiting: int = 256
+    body_timeout_s: float = 30.0
+    owns_runtime: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "default_max_tokens", "max_tokens_limit",
@@ -54,6 +61,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if not self.body_timeout_s > 0:
+            raise ConfigError(
+                f"ServerConfig.body_timeout_s must be > 0, got {self.body_timeout_s!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError(
                 f"ServerConfig.default_max_tokens ({self.default_max_tokens}) exceeds "

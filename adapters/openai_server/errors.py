@@ -106,6 +106,18 @@ def overloaded(waiting: int) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    """A 503 for a request that arrives or still waits while the server shuts down."""
+    return APIError(503, "The server is shutting down; retry on another instance or later.",
+                    OVERLOADED, None, "shutting_down")
+
+
+def body_timeout(seconds: float) -> APIError:
+    """A 408 for a request body that did not arrive in time."""
+    return APIError(408, f"The request body did not arrive within {seconds:g} s.",
+                    INVALID_REQUEST, None, "request_timeout")
+
+
 def from_exception(exc: BaseException) -> APIError:
     """Map an exception raised while serving a request to the error the client sees.
 

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     field_validator,
     model_serializer,
     model_validator,
@@ -113,8 +114,10 @@ class ChatCompletionRequest(_Lenient):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stream: bool = False
+    # torch seeds a generator from any value in [-2**63, 2**64); larger ones overflowed
+    # into a 500. Strict: "stream": "yes" is a client bug, not a request to stream.
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)

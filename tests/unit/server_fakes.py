@@ -8,6 +8,10 @@ tool-call parsing, errors raised on the first ``next``) without loading a model.
 * ``LONG``: raises PromptTooLongError;
 * ``WAIT``: blocks until ``release`` is set (queue tests);
 * anything else: ``You said: <text>``, one character per "token".
+
+With a ``store`` (a :class:`~agentspec.store.SessionStore`), a finished generation of a
+session appends its turn (the reply's code points as "token ids") before the result is
+handed over, as the real engine does: a generation closed early stores nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ class FakeTarget:
 class FakeRuntime:
     """Records every call; see the module docstring for the replies."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: Any | None = None) -> None:
         self.target = FakeTarget()
+        self.store = store
         self.default_spec = AgentSpec()
         self.calls: list[dict[str, Any]] = []
         self.release = threading.Event()
@@ -93,6 +98,8 @@ class FakeRuntime:
                              steps=[StepStats("suffix", 4, 3, 4, 0.0, 0.0),
                                     StepStats("suffix", 2, 0, 1, 0.0, 0.0),
                                     StepStats("none", 0, 0, 1, 0.0, 0.0)])
+        if self.store is not None and session is not None:
+            self.store.append_turn(session, [ord(c) for c in text])
         if result is not None:
             result.append(ChatResult(text, parsed.content, parsed.tool_calls,
                                      parsed.invalid_tool_calls, finish, 10, len(text), stats,

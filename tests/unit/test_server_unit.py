@@ -67,7 +67,7 @@ def test_env_keys_and_files(tmp_path: Path) -> None:
     (tmp_path / "keys.json").write_text(json.dumps({"keys": {"k3": "tenant-c"}}))
     (tmp_path / "keys.toml").write_text('[keys]\nk4 = "tenant-d"\n')
     assert load_file(tmp_path / "keys.json").tenant_for("Bearer k3") == "tenant-c"
-    assert load_file(tmp_path / "keys.toml").tenant_for("bearer k4") == "tenant-d"
+    assert load_file(tmp_path / "keys.toml").tenant_for("Bearer k4") == "tenant-d"
     both = load_keys(tmp_path / "keys.json", env={"AGENTSPEC_API_KEYS": "k1=tenant-a"})
     assert both.tenants == ["tenant-a", "tenant-c"]
     assert load_keys(None, env={}).local_only

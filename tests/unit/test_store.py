@@ -47,8 +47,8 @@ ref, base, count = SessionRef(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if len(sys.argv) > 5:  # hang inside the transaction of turn N: after its INSERTs, before COMMIT
     import time
     hang_at, evict = int(sys.argv[5]), SessionStore._evict
-    def _evict(self, conn, keep):
-        evict(self, conn, keep)
+    def _evict(self, conn, keep, tenant):
+        evict(self, conn, keep, tenant)
         if conn.execute("SELECT MAX(idx) FROM turns").fetchone()[0] == hang_at:
             print("mid", flush=True)
             time.sleep(60)
