@@ -51,6 +51,7 @@ from agentspec.errors import (
 )
 from agentspec.models import agentspec_home
 from agentspec.storage import SYNC_MODES, Schema, SQLiteFile
+from agentspec.store_quotas import evict
 from agentspec.types import SessionRef, check_id
 
 log = logging.getLogger(__name__)
@@ -439,47 +440,11 @@ class SessionStore:
         return turns, skipped
 
     def _evict(self, conn: sqlite3.Connection, keep: int, tenant: str) -> None:
-        """Enforce the quotas after an append to session ``keep`` of ``tenant``.
-
-        First the tenant's own quotas (its least recently used sessions go), then the
-        store-wide ``max_sessions`` (victims from the tenant holding the most sessions).
-        ``keep`` is never evicted.
-        """
-        cfg, victims = self.config, []
-        lru = "SELECT id, tokens FROM sessions WHERE tenant=? AND id != ? ORDER BY last_used, id"
-        if cfg.max_sessions_per_tenant is not None or cfg.max_tokens_per_tenant is not None:
-            count, tokens = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM sessions WHERE tenant=?",
-                (tenant,),
-            ).fetchone()
-            max_count = cfg.max_sessions_per_tenant or count
-            max_tokens = cfg.max_tokens_per_tenant or tokens
-            for sid, n in conn.execute(lru, (tenant, keep)):
-                if count <= max_count and tokens <= max_tokens:
-                    break
-                victims.append(sid)
-                count, tokens = count - 1, tokens - n
-            self._drop(conn, victims)
-        extra = conn.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] - cfg.max_sessions
-        while extra > 0:
-            # The heaviest tenant pays for a full store; ties go to the one appending now.
-            heavy = conn.execute(
-                "SELECT tenant, COUNT(*) AS n FROM sessions GROUP BY tenant "
-                "ORDER BY n DESC, tenant = ? DESC, tenant LIMIT 1", (tenant,)
-            ).fetchone()
-            rows = conn.execute(lru + " LIMIT ?", (heavy[0], keep, extra)).fetchall()
-            if not rows:  # only ``keep`` is left in that tenant: fall back to the global LRU
-                rows = conn.execute(
-                    "SELECT id, tokens FROM sessions WHERE id != ? ORDER BY last_used, id "
-                    "LIMIT ?", (keep, extra)).fetchall()
-            if not rows:
-                break
-            self._drop(conn, [r[0] for r in rows])
-            victims += [r[0] for r in rows]
-            extra -= len(rows)
+        """Enforce the quotas after an append (see :func:`agentspec.store_quotas.evict`)."""
+        victims = evict(conn, self.config, keep, tenant, self._drop)
         if victims:
             log.info("session store %s: evicted %d least recently used sessions",
-                     self.path, len(victims))
+                     self.path, victims)
 
     @staticmethod
     def _drop(conn: sqlite3.Connection, ids: list[int]) -> None:

@@ -53,6 +53,8 @@ class Harness:
         config = ServerConfig(keys=KeyRing.from_mapping({KEY: TENANT}), max_tokens_limit=512,
                               default_max_tokens=64)
         self.client = TestClient(create_app(self.runtime, config), client=("127.0.0.1", 1))
+        # Entered once: one event loop for all requests (not a new loop thread per request).
+        self.client.__enter__()
 
     def turns(self, session: str | None = None) -> int:
         if session is None:
@@ -108,6 +110,7 @@ class Harness:
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     h = Harness(tmp_path_factory.mktemp("fuzz"))
     yield h
+    h.client.__exit__(None, None, None)
     h.store.close()
 
 

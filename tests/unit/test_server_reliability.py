@@ -100,6 +100,17 @@ def test_newline_user_is_served_under_a_valid_session(store: SessionStore) -> No
     assert [s.session_id for s in store.list_sessions()] == [sid] and _turns(store) == 1
 
 
+def test_newline_user_over_real_http_gets_its_answer(store: SessionStore) -> None:
+    # The original failure: uvicorn refused the illegal X-Session-Id header after the turn
+    # was stored, and the client got an empty reply (and retried, storing more turns).
+    with serving(FakeRuntime(store), ServerConfig()) as srv:
+        resp = httpx.post(f"{srv.base_url}/chat/completions", timeout=30,
+                          json=_body("hi", user="nl-sess\n", max_tokens=4))
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+    assert check_id("session", resp.headers["x-session-id"])
+    assert _turns(store) == 1
+
+
 def test_newline_ids_in_body_are_refused_and_store_nothing(store: SessionStore) -> None:
     client, rt = _app(store)
     _error(client.post("/v1/chat/completions", json=_body(prompt_cache_key="nl-sess\n")),
