@@ -1,23 +1,37 @@
-"""SuffixDecoding as a drafter: a per-request suffix index plus a history index per scope.
+"""SuffixDecoding as a drafter: a request index plus a hierarchy of history indexes.
 
-Each decode step consults two :class:`~agentspec.drafters.suffix_tree.SuffixIndex` es:
+Each decode step drafts from every index the request may see and keeps the draft with the
+highest score (its expected accepted length: the sum of the draft tokens' path
+probabilities; ties go to the narrower index):
 
-* the **request index** over the current prompt and the tokens generated so far, built when
-  a request starts (``ctx.step == 0`` or a context that no longer extends the indexed one)
-  and extended in :meth:`SuffixDrafter.observe`;
-* the **history index** of the request's scope over every token (prompt + output) of the
-  scope's earlier requests, extended in :meth:`SuffixDrafter.finish`.
+* the **request** index over the current prompt and the tokens generated so far, created
+  when a request starts and extended in :meth:`SuffixDrafter.observe`;
+* the **session** index over the session's earlier turns;
+* the **agent** index over every session of the request's agent (same tenant);
+* the **tenant** index over every session of the tenant.
 
-The draft with the higher score wins (tie: the longer match, then the request index).
+``SuffixConfig.scope`` is the widest level a request reads (``"session"``: request and
+session; ``"agent"``: + agent; ``"tenant"``: all four). Whatever the scope, every key holds
+the tenant, so a tenant's tokens are never drafted for another tenant. Requests without a
+:class:`~agentspec.types.SessionRef` use the request index only. When two levels hold the
+same turns (a tenant with one agent) only the narrower one is searched.
 
-Isolation: the scope key always contains the tenant, so a tenant's tokens are never drafted
-for another tenant, and under ``scope="session"`` one session's tokens never for another
-session. Requests without a :class:`~agentspec.types.SessionRef` use the request index only.
+A finished turn adds to the history only what the session's previous turn did not already
+hold (agents resend the conversation: the new tool results and the new answer), plus
+``max_depth`` tokens before them so their start is matched in context.
+
+Requests are keyed by ``DraftContext.request_id`` when the caller sets one (the engine,
+vLLM): concurrent requests of one session keep separate indexes. Without an id the
+request is keyed by its session and a new one is recognised from ``step == 0`` or a
+context that no longer extends the indexed one (the pre-lifecycle behaviour).
 
 Persistence: with a ``store`` (see :class:`TurnStore`), finished turns are written with
-``store.append_turn`` and a session's stored turns are loaded into its scope's history the
-first time this process sees that session. Under agent / tenant scope, sessions this process
-never sees are not loaded (the store is only read per session).
+``store.append_turn`` and a session's stored turns are loaded into its indexes the first
+time this process sees that session. Sessions this process never sees are not loaded into
+the agent / tenant indexes (the store is only read per session).
+
+The indexes live in arctic-inference's C++ suffix tree when it is installed and in the
+pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix_backends`).
 """
 
 from __future__ import annotations
@@ -27,18 +41,18 @@ import math
 import threading
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentspec.drafters.suffix_tree import SuffixIndex
+from agentspec.drafters.suffix_backends import BACKENDS, Tree, new_tree, resolve_backend
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 log = logging.getLogger(__name__)
 
 SCOPES = ("session", "agent", "tenant")
-_MAX_REQUESTS = 64  # live request indexes kept (requests that never call finish() age out)
+_MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
 
 
 class TurnStore(Protocol):
@@ -64,10 +78,9 @@ class SuffixConfig:
         max_spec_offset: Tokens added to the cap, so short but confident matches still draft.
         min_token_prob: A draft stops when its path probability falls below this.
         max_tokens: Most tokens per draft (the engine may ask for fewer).
-        scope: Who shares a history index: ``"session"`` (tenant + session id),
-            ``"agent"`` (tenant + agent) or ``"tenant"``.
-        max_scope_tokens: Tokens kept per history index. When exceeded, the oldest turns are
-            dropped down to 3/4 of this and the index is rebuilt (amortised O(1) per token).
+        scope: The widest history a request reads: ``"session"``, ``"agent"`` or
+            ``"tenant"`` (always within its tenant; see the module docstring).
+        max_scope_tokens: Tokens kept per history index; the oldest turns are dropped.
         max_scopes: History indexes kept in memory (least recently used are dropped; they
             are reloaded from the store, if any, when needed again).
         use_request_index: Consult the per-request index.
@@ -75,6 +88,8 @@ class SuffixConfig:
         tree: Draft a small token tree (the most probable continuations, best first, at
             most ``max_tokens`` nodes) instead of one chain; the engine verifies its
             branches in one batched forward (greedy requests only).
+        backend: ``"auto"`` (arctic-inference's C++ tree when installed), ``"arctic"`` or
+            ``"python"``.
     """
 
     max_depth: int = 64
@@ -82,12 +97,13 @@ class SuffixConfig:
     max_spec_offset: float = 8.0
     min_token_prob: float = 0.1
     max_tokens: int = 32
-    scope: str = "session"
-    max_scope_tokens: int = 262_144
+    scope: str = "tenant"
+    max_scope_tokens: int = 1_048_576
     max_scopes: int = 256
     use_request_index: bool = True
     use_history: bool = True
     tree: bool = False
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
@@ -102,10 +118,12 @@ class SuffixConfig:
             raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob!r}")
         if self.scope not in SCOPES:
             raise ConfigError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 def scope_key(ref: SessionRef, scope: str) -> tuple[str, ...]:
-    """The history index a session reads and writes; the tenant is always part of it."""
+    """The history index of one level for a session; the tenant is always part of it."""
     if scope == "session":
         return ("session", ref.tenant, ref.session_id)
     if scope == "agent":
@@ -113,86 +131,93 @@ def scope_key(ref: SessionRef, scope: str) -> tuple[str, ...]:
     return ("tenant", ref.tenant)
 
 
-class _Request:
-    """The request index and a mirror of the tokens it holds (to detect a new request)."""
+def visible_keys(ref: SessionRef, scope: str) -> list[tuple[str, ...]]:
+    """Every history index a request of ``ref`` may read under ``scope``, narrowest first."""
+    return [scope_key(ref, level) for level in SCOPES[: SCOPES.index(scope) + 1]]
 
-    def __init__(self, tokens: Sequence[int], prompt_len: int, cfg: SuffixConfig) -> None:
-        self.index = SuffixIndex(cfg.max_depth, cfg.max_tokens)
-        self.tokens: list[int] = [int(t) for t in tokens]
-        self.ref: Sequence[int] = tokens  # the caller's object: unchanged identity = same request
-        self.prompt_len = prompt_len
-        self.index.append(0, self.tokens)
+
+def novel_start(prev: Sequence[int], cur: Sequence[int]) -> int:
+    """Length of the common prefix of a session's previous turn and its next one."""
+    n = min(len(prev), len(cur))
+    i = 0
+    while i < n and prev[i] == cur[i]:
+        i += 1
+    return i
+
+
+class _Request:
+    """One live request: its index and how many of its tokens the index holds."""
+
+    def __init__(self, tokens: Sequence[int], ctx: DraftContext, tree: Tree) -> None:
+        self.tree = tree
+        self.n = len(tokens)
+        self.prompt_len = ctx.prompt_len
+        self.session = ctx.session
+        self.last = int(tokens[-1]) if self.n else -1
+        self.ref: Sequence[int] = ctx.tokens  # the caller's list (identity: same request)
+        self.tree.extend(0, [int(t) for t in tokens])
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Index committed tokens of this request."""
         new = [int(t) for t in tokens]
-        self.tokens.extend(new)
-        self.index.append(0, new)
+        if new:
+            self.tree.extend(0, new)
+            self.n += len(new)
+            self.last = new[-1]
 
     def continues(self, ctx: DraftContext) -> bool:
-        """True when ``ctx.tokens`` starts with every token indexed so far."""
-        toks, n = ctx.tokens, len(self.tokens)
-        if ctx.prompt_len != self.prompt_len or len(toks) < n:
+        """Without a request id: does ``ctx`` extend what this index holds? (The seam is
+        checked; the caller's list object is trusted, as the engine grows it in place.)"""
+        toks = ctx.tokens
+        if ctx.prompt_len != self.prompt_len or len(toks) < self.n:
             return False
-        if toks is self.ref:  # the engine's own list, grown in place: check the seam only
-            return n == 0 or toks[n - 1] == self.tokens[-1]
-        if [int(t) for t in toks[:n]] != self.tokens:
+        if self.n and int(toks[self.n - 1]) != self.last:
             return False
-        self.ref = toks
+        if toks is not self.ref:
+            if not isinstance(toks, list) or len(toks) != self.n:
+                return False
+            self.ref = toks
         return True
 
 
-class _Scope:
-    """A history index plus the turns it holds (kept to rebuild it after eviction)."""
+class _Pool:
+    """One history index and the turns it holds (oldest first, for eviction)."""
 
-    def __init__(self, cfg: SuffixConfig) -> None:
-        self.cfg = cfg
-        self.index = SuffixIndex(cfg.max_depth, cfg.max_tokens)
-        self.turns: deque[tuple[str, array[int]]] = deque()  # (session id, tokens)
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.turns: deque[tuple[str, int, int]] = deque()  # (session id, seq id, tokens)
         self.tokens = 0
         self.sessions: set[str] = set()  # sessions whose stored turns are loaded
-        self._next_seq = 0
 
-    def add_turn(self, session_id: str, tokens: Sequence[int]) -> None:
-        """Index one finished turn (its last ``max_scope_tokens`` tokens at most)."""
-        turn = array("i", tokens[-self.cfg.max_scope_tokens :])
-        self.turns.append((session_id, turn))
-        self.tokens += len(turn)
-        if self.tokens > self.cfg.max_scope_tokens:
-            # Drop to 3/4 of the budget so the O(budget) rebuild happens at most once per
-            # budget/4 new tokens: amortised, each token is indexed at most ~4 extra times.
-            while self.tokens > 3 * self.cfg.max_scope_tokens // 4 and len(self.turns) > 1:
-                self.tokens -= len(self.turns.popleft()[1])
-            self.rebuild()
-        else:
-            self.index.append(self._next_seq, turn)
-            self._next_seq += 1
+    def add(self, session_id: str, seq_id: int, tokens: list[int], budget: int) -> None:
+        """Index one turn's new tokens; drop the oldest turns above ``budget`` tokens."""
+        self.tree.extend(seq_id, tokens)
+        self.turns.append((session_id, seq_id, len(tokens)))
+        self.tokens += len(tokens)
+        while self.tokens > budget and len(self.turns) > 1:
+            _, sid, n = self.turns.popleft()
+            self.tree.remove(sid)
+            self.tokens -= n
 
     def drop_session(self, session_id: str) -> None:
-        """Remove every turn of one session (the automaton cannot delete: rebuild)."""
+        """Remove every turn of one session."""
+        for _, sid, n in [t for t in self.turns if t[0] == session_id]:
+            self.tree.remove(sid)
+            self.tokens -= n
         self.turns = deque(t for t in self.turns if t[0] != session_id)
-        self.tokens = sum(len(t[1]) for t in self.turns)
         self.sessions.discard(session_id)
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """Re-index the retained turns from scratch."""
-        self.index = SuffixIndex(self.cfg.max_depth, self.cfg.max_tokens)
-        for i, (_, turn) in enumerate(self.turns):
-            self.index.append(i, turn)
-        self._next_seq = len(self.turns)
 
 
 class SuffixDrafter:
-    """SuffixDecoding drafter with session-scoped history (see the module docstring).
+    """SuffixDecoding drafter over a request index and a scope hierarchy (module docstring).
 
     Args:
         config: Settings; defaults suit agent workloads.
         store: Optional persistent turn store (``load`` / ``append_turn``).
 
     Attributes:
-        last_origin: Which index produced the latest draft: ``"request"``, ``"history"``
-            or ``"none"``.
+        last_origin: Which index produced the latest draft: ``"request"``, ``"session"``,
+            ``"agent"``, ``"tenant"`` or ``"none"``.
     """
 
     name = "suffix"
@@ -200,11 +225,25 @@ class SuffixDrafter:
     def __init__(self, config: SuffixConfig | None = None, store: TurnStore | None = None) -> None:
         self.config = config or SuffixConfig()
         self.store = store
+        self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
         self.store_errors = 0
-        self._requests: OrderedDict[SessionRef | None, _Request] = OrderedDict()
-        self._scopes: OrderedDict[tuple[str, ...], _Scope] = OrderedDict()
+        self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
+        self._pools: OrderedDict[tuple[str, ...], _Pool] = OrderedDict()
+        self._last_turn: dict[tuple[str, str], Sequence[int]] = {}  # (tenant, session) -> tokens
+        self._seq = 0
         self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- request lifecycle
+    def start_request(self, ctx: DraftContext) -> None:
+        """Begin a request: index ``ctx.tokens`` (replaces a live request of the same key)."""
+        with self._lock:
+            self._start(ctx)
+
+    def stop_request(self, ctx: DraftContext) -> None:
+        """End a request without adding it to any history (aborted, or not worth keeping)."""
+        with self._lock:
+            self._requests.pop(_request_key(ctx), None)
 
     # ----------------------------------------------------------------- Drafter protocol
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -215,53 +254,54 @@ class SuffixDrafter:
             return Draft(source=self.name)
         toks = ctx.tokens[-cfg.max_depth :]
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
-        args = (limit, cfg.max_depth, cfg.max_spec_factor, cfg.max_spec_offset,
-                cfg.min_token_prob)
+        args = (limit, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, cfg.tree)
         best: tuple[list[int], int, float, list[int] | None] = ([], 0, 0.0, None)
         origin = "none"
         with self._lock:
             if cfg.use_request_index:
-                best = self._speculate(self._request(ctx).index, window, args)
+                best = self._sync(ctx).tree.speculate(window, *args)
                 origin = "request" if best[0] else "none"
             if cfg.use_history and ctx.session is not None:
-                hist = self._speculate(self._scope(ctx.session).index, window, args)
-                if hist[0] and (hist[2], hist[1]) > (best[2], best[1]):
-                    best, origin = hist, "history"
+                seen = -1
+                for level, pool in self._pools_for(ctx.session):
+                    if len(pool.turns) == seen:
+                        continue  # same turns as the narrower level (nested): same draft
+                    seen = len(pool.turns)
+                    if not seen:
+                        continue
+                    cand = pool.tree.speculate(window, *args)
+                    if cand[0] and cand[2] > best[2]:
+                        best, origin = cand, level
         self.last_origin = origin
-        return Draft(tokens=best[0], parents=best[3], score=best[2], match_len=best[1],
-                     source=self.name)
-
-    def _speculate(
-        self, index: SuffixIndex, window: list[int], args: tuple[int, int, float, float, float]
-    ) -> tuple[list[int], int, float, list[int] | None]:
-        """One index's draft: ``(tokens, match length, score, parents or None)``."""
-        if not self.config.tree:
-            toks, ell, score = index.speculate(window, *args)
-            return toks, ell, score, None
-        tree = index.speculate_tree(window, *args)
-        return tree.tokens, tree.match_len, tree.score, tree.parents
+        return Draft(tokens=list(best[0]), parents=list(best[3]) if best[3] else None,
+                     score=best[2], match_len=best[1], source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
-        """Append the committed tokens to the request index (checked again at ``propose``)."""
+        """Append the committed tokens to the request index."""
         if not self.config.use_request_index:
             return
         with self._lock:
-            req = self._requests.get(ctx.session)
+            req = self._requests.get(_request_key(ctx))
             # Only extend the index of this very request, and only when it is in sync.
-            if req is not None and len(req.tokens) == len(ctx.tokens) and req.continues(ctx):
+            if req is not None and req.n == len(ctx.tokens):
                 req.extend(result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
-        """Drop the request index; add the whole request to its scope's history (and store)."""
+        """End the request; add its new tokens to the history indexes (and the store)."""
         with self._lock:
-            self._requests.pop(ctx.session, None)
+            self._requests.pop(_request_key(ctx), None)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
             if self.config.use_history:
-                # _scope() loads the session's stored turns first, so this turn is not
-                # counted twice when it is also written to the store below.
-                self._scope(ctx.session).add_turn(ctx.session.session_id, tokens)
+                # Stored turns are loaded first, so this one is not counted twice when it
+                # is also written to the store below.
+                pools = [p for _, p in self._pools_for(ctx.session)]
+                prev: Sequence[int] = self._last_turn.get(
+                    (ctx.session.tenant, ctx.session.session_id), [])
+                for pool in pools:
+                    self._index_turn(pool, ctx.session.session_id, prev, tokens)
+                self._last_turn[(ctx.session.tenant, ctx.session.session_id)] = array("i", tokens)
             if self.store is not None:
                 try:
                     self.store.append_turn(ctx.session, tokens)
@@ -273,70 +313,111 @@ class SuffixDrafter:
 
     # ----------------------------------------------------------------- management
     def forget(self, ref: SessionRef) -> None:
-        """Remove a session's tokens from memory (request and history indexes).
+        """Remove a session's tokens from memory (its requests and every history index).
 
         The store, if any, is not touched; delete the session there as well.
         """
         with self._lock:
-            self._requests.pop(ref, None)
-            key = scope_key(ref, self.config.scope)
-            scope = self._scopes.get(key)
-            if scope is None:
-                return
-            if self.config.scope == "session":
-                del self._scopes[key]
-            else:
-                scope.drop_session(ref.session_id)
+            for key in [k for k, r in self._requests.items() if r.session == ref]:
+                del self._requests[key]
+            self._last_turn.pop((ref.tenant, ref.session_id), None)
+            for key in visible_keys(ref, "tenant"):
+                pool = self._pools.get(key)
+                if pool is None:
+                    continue
+                if key[0] == "session":
+                    del self._pools[key]
+                else:
+                    pool.drop_session(ref.session_id)
 
     def stats(self) -> dict[str, Any]:
-        """Cached tokens per scope, index count and an estimate of the memory held."""
+        """Cached tokens per index, index count and the memory held."""
         with self._lock:
-            scopes = {
-                "/".join(key): {
-                    "tokens": s.tokens,
-                    "turns": len(s.turns),
-                    "states": s.index.num_states,
-                    "memory_bytes": s.index.memory_bytes() + 4 * s.tokens,
-                }
-                for key, s in self._scopes.items()
+            pools = {
+                "/".join(key): {"tokens": p.tokens, "turns": len(p.turns),
+                                "memory_bytes": p.tree.memory_bytes()}
+                for key, p in self._pools.items()
             }
-            req_mem = sum(r.index.memory_bytes() + 8 * len(r.tokens)
-                          for r in self._requests.values())
+            req_mem = sum(r.tree.memory_bytes() for r in self._requests.values())
+            req_tokens = sum(r.n for r in self._requests.values())
+            cached = sum(p.tokens for k, p in self._pools.items() if k[0] == "session")
+            memory = req_mem + sum(p["memory_bytes"] for p in pools.values())
+            indexed = req_tokens + sum(p.tokens for p in self._pools.values())
             return {
                 "scope": self.config.scope,
-                "scopes": scopes,
-                "indexes": len(self._scopes) + len(self._requests),
+                "backend": self.backend,
+                "scopes": pools,
+                "indexes": len(self._pools) + len(self._requests),
                 "active_requests": len(self._requests),
-                "cached_tokens": sum(s.tokens for s in self._scopes.values()),
-                "memory_bytes": req_mem + sum(s["memory_bytes"] for s in scopes.values()),
+                "cached_tokens": cached,
+                "memory_bytes": memory,
+                "bytes_per_indexed_token": memory / indexed if indexed else 0.0,
             }
 
     # ----------------------------------------------------------------- internals
-    def _request(self, ctx: DraftContext) -> _Request:
-        """The request index of ``ctx``, synced to ``ctx.tokens`` (rebuilt for a new one)."""
-        req = self._requests.get(ctx.session)
-        if req is None or ctx.step == 0 or not req.continues(ctx):
-            req = _Request(ctx.tokens, ctx.prompt_len, self.config)
-            self._requests[ctx.session] = req
-            while len(self._requests) > _MAX_REQUESTS:
-                self._requests.popitem(last=False)
-        elif len(ctx.tokens) > len(req.tokens):
-            req.extend(ctx.tokens[len(req.tokens) :])
-        self._requests.move_to_end(ctx.session)
+    def _start(self, ctx: DraftContext) -> _Request:
+        cfg = self.config
+        req = _Request(ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+        key = _request_key(ctx)
+        self._requests[key] = req
+        self._requests.move_to_end(key)
+        while len(self._requests) > _MAX_REQUESTS:
+            self._requests.popitem(last=False)
         return req
 
-    def _scope(self, ref: SessionRef) -> _Scope:
-        """The history index of ``ref``'s scope, loading the session's stored turns once."""
-        key = scope_key(ref, self.config.scope)
-        scope = self._scopes.get(key)
-        if scope is None:
-            scope = self._scopes[key] = _Scope(self.config)
-            while len(self._scopes) > self.config.max_scopes:
-                self._scopes.popitem(last=False)
-        self._scopes.move_to_end(key)
-        if ref.session_id not in scope.sessions:
-            scope.sessions.add(ref.session_id)
-            if self.store is not None:
-                for turn in self.store.load(ref):
-                    scope.add_turn(ref.session_id, turn)
-        return scope
+    def _sync(self, ctx: DraftContext) -> _Request:
+        """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
+        req = self._requests.get(_request_key(ctx))
+        if req is None:
+            return self._start(ctx)
+        if ctx.request_id is None:
+            if ctx.step == 0 or not req.continues(ctx):
+                return self._start(ctx)
+        elif len(ctx.tokens) < req.n:  # a preempted request restarting: rebuild
+            return self._start(ctx)
+        if len(ctx.tokens) > req.n:
+            req.extend(ctx.tokens[req.n :])
+        return req
+
+    def _pools_for(self, ref: SessionRef) -> list[tuple[str, _Pool]]:
+        """``(level, index)`` of every history ``ref`` may read, narrowest first; the
+        session's stored turns are loaded (one ``store.load``) into those that lack them."""
+        cfg = self.config
+        out: list[tuple[str, _Pool]] = []
+        missing: list[_Pool] = []
+        for key in visible_keys(ref, cfg.scope):
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _Pool(new_tree(self.backend, cfg.max_depth,
+                                                         cfg.max_tokens))
+            self._pools.move_to_end(key)
+            if ref.session_id not in pool.sessions:
+                pool.sessions.add(ref.session_id)
+                missing.append(pool)
+            out.append((key[0], pool))
+        while len(self._pools) > cfg.max_scopes:
+            self._pools.popitem(last=False)
+        if missing and self.store is not None:
+            prev: list[int] = []
+            for turn in self.store.load(ref):
+                cur = [int(t) for t in turn]
+                for pool in missing:
+                    self._index_turn(pool, ref.session_id, prev, cur)
+                prev = cur
+            if prev:
+                self._last_turn[(ref.tenant, ref.session_id)] = array("i", prev)
+        return out
+
+    def _index_turn(self, pool: _Pool, session_id: str, prev: Sequence[int],
+                    tokens: list[int]) -> None:
+        """Add the part of ``tokens`` the session's previous turn did not hold."""
+        start = max(0, novel_start(prev, tokens) - self.config.max_depth)
+        new = tokens[start:][-self.config.max_scope_tokens :]
+        if new:
+            self._seq = (self._seq + 1) & 0x7FFFFFFF
+            pool.add(session_id, self._seq, new, self.config.max_scope_tokens)
+
+
+def _request_key(ctx: DraftContext) -> Hashable:
+    """Requests are keyed by their id when they have one, else by their session."""
+    return ("id", ctx.request_id) if ctx.request_id is not None else ("session", ctx.session)
