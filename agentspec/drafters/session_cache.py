@@ -39,13 +39,18 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentspec.drafters.suffix_backends import BACKENDS, Tree, new_tree, resolve_backend
+from agentspec.drafters.suffix_backends import (
+    BACKENDS,
+    Speculation,
+    Tree,
+    new_tree,
+    resolve_backend,
+)
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
@@ -53,6 +58,8 @@ log = logging.getLogger(__name__)
 
 SCOPES = ("session", "agent", "tenant")
 _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
+_MAX_CARRIED = 64  # finished request indexes kept for their session's next request
+_MAX_SESSIONS = 4096  # sessions whose latest turn is kept (to find a turn's new tokens)
 
 
 class TurnStore(Protocol):
@@ -90,6 +97,10 @@ class SuffixConfig:
             branches in one batched forward (greedy requests only).
         backend: ``"auto"`` (arctic-inference's C++ tree when installed), ``"arctic"`` or
             ``"python"``.
+        use_outputs: Also draft from an index of the scope's answers alone (arctic's
+            global tree), which the current answer joins as it is generated.
+        calibrate: Scale each level's scores by how well they predicted acceptance so far
+            (every candidate is checked against the committed tokens each step).
     """
 
     max_depth: int = 64
@@ -104,6 +115,8 @@ class SuffixConfig:
     use_history: bool = True
     tree: bool = False
     backend: str = "auto"
+    calibrate: bool = True
+    use_outputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
@@ -137,12 +150,25 @@ def visible_keys(ref: SessionRef, scope: str) -> list[tuple[str, ...]]:
 
 
 def novel_start(prev: Sequence[int], cur: Sequence[int]) -> int:
-    """Length of the common prefix of a session's previous turn and its next one."""
+    """Length of the common prefix of a session's previous turn and its next one.
+
+    Slices are compared in C (a 32k-token prefix in ~0.1 ms), bisecting to the first
+    difference, then a short Python scan.
+    """
     n = min(len(prev), len(cur))
-    i = 0
-    while i < n and prev[i] == cur[i]:
-        i += 1
-    return i
+    a, b = list(prev[:n]), list(cur[:n])
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 class _Request:
@@ -155,6 +181,11 @@ class _Request:
         self.session = ctx.session
         self.last = int(tokens[-1]) if self.n else -1
         self.ref: Sequence[int] = ctx.tokens  # the caller's list (identity: same request)
+        self.cands: list[tuple[str, Speculation]] = []  # last step's drafts, to calibrate
+        self.out: tuple[_Pool, int] | None = None  # (outputs index, this request's sequence)
+        self.out_n = 0
+        self.pools: list[tuple[str, _Pool]] = []  # the history indexes it reads
+        self.carried = False  # its prompt extends the session's previous turn
         self.tree.extend(0, [int(t) for t in tokens])
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -178,6 +209,46 @@ class _Request:
                 return False
             self.ref = toks
         return True
+
+
+class _Calibration:
+    """Per index level, how the drafts' scores compare with what the target accepted.
+
+    Every candidate draft of a step (not just the one sent) is checked against the tokens
+    the step committed, so each level's score is calibrated on every step for free. The
+    sums decay (half-life ~70 steps) so the calibration follows the workload.
+    """
+
+    DECAY = 0.99
+    PRIOR = 4.0  # pseudo-steps where accepted == score (ratio 1 before any evidence)
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[str, int], list[float]] = {}
+
+    @staticmethod
+    def key(level: str, match_len: int) -> tuple[str, int]:
+        """Calibration cell: the level and the match length's power-of-two bucket (a
+        one-token match and a 40-token match of one index are not equally reliable)."""
+        return level, min(match_len, 64).bit_length()
+
+    def ratio(self, level: str, match_len: int) -> float:
+        """Accepted tokens per unit of score at ``level`` for matches of this length."""
+        acc, score = self.sums.get(self.key(level, match_len), (0.0, 0.0))
+        return (acc + self.PRIOR) / (score + self.PRIOR)
+
+    def learn(self, cands: Sequence[tuple[str, Speculation]], committed: Sequence[int]) -> None:
+        """Score each candidate against the committed tokens (a prefix of the truth)."""
+        for level, (tokens, match_len, score, parents) in cands:
+            if parents is not None:
+                continue  # tree drafts: the chosen branch is unknown here
+            n = 0
+            for a, b in zip(tokens, committed, strict=False):
+                if a != b:
+                    break
+                n += 1
+            st = self.sums.setdefault(self.key(level, match_len), [0.0, 0.0])
+            st[0] = st[0] * self.DECAY + n
+            st[1] = st[1] * self.DECAY + score
 
 
 class _Pool:
@@ -230,7 +301,13 @@ class SuffixDrafter:
         self.store_errors = 0
         self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
         self._pools: OrderedDict[tuple[str, ...], _Pool] = OrderedDict()
-        self._last_turn: dict[tuple[str, str], Sequence[int]] = {}  # (tenant, session) -> tokens
+        # Per (tenant, session): the tokens of its latest finished turn and, while the next
+        # request has not started, that turn's request index (agents resend the
+        # conversation, so the next prompt usually extends it: the index is carried over
+        # and extended instead of rebuilt from a 30k-token prompt).
+        self._last_turn: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._carry: OrderedDict[tuple[str, str], _Request] = OrderedDict()
+        self._calib: dict[str, _Calibration] = {}
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -255,23 +332,41 @@ class SuffixDrafter:
         toks = ctx.tokens[-cfg.max_depth :]
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
         args = (limit, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, cfg.tree)
-        best: tuple[list[int], int, float, list[int] | None] = ([], 0, 0.0, None)
-        origin = "none"
+        cands: list[tuple[str, Speculation]] = []  # non-empty drafts, narrowest index first
+        req: _Request | None = None
         with self._lock:
             if cfg.use_request_index:
-                best = self._sync(ctx).tree.speculate(window, *args)
-                origin = "request" if best[0] else "none"
+                req = self._sync(ctx)
+                spec = req.tree.speculate(window, *args)
+                if spec[0]:
+                    cands.append(("request", spec))
             if cfg.use_history and ctx.session is not None:
+                pools = req.pools if req is not None else self._visible(ctx.session, False)
                 seen = -1
-                for level, pool in self._pools_for(ctx.session):
+                for level, pool in pools:
                     if len(pool.turns) == seen:
                         continue  # same turns as the narrower level (nested): same draft
                     seen = len(pool.turns)
                     if not seen:
                         continue
-                    cand = pool.tree.speculate(window, *args)
-                    if cand[0] and cand[2] > best[2]:
-                        best, origin = cand, level
+                    spec = pool.tree.speculate(window, *args)
+                    if spec[0]:
+                        cands.append((level, spec))
+                if cfg.use_outputs and req is not None and req.out is not None:
+                    spec = req.out[0].tree.speculate(window, *args)
+                    if spec[0]:
+                        cands.append(("outputs", spec))
+            best: Speculation = ([], 0, 0.0, None)
+            origin, value = "none", 0.0
+            calib = self._calibration(ctx)
+            for level, spec in cands:
+                # The expected accepted length: the index's own estimate (its score), scaled
+                # by how that level's estimates have turned out for this tenant.
+                v = spec[2] * calib.ratio(level, spec[1])
+                if v > value:
+                    best, origin, value = spec, level, v
+            if req is not None and cfg.calibrate and len(cands) > 1:
+                req.cands = cands
         self.last_origin = origin
         return Draft(tokens=list(best[0]), parents=list(best[3]) if best[3] else None,
                      score=best[2], match_len=best[1], source=self.name)
@@ -284,24 +379,36 @@ class SuffixDrafter:
             req = self._requests.get(_request_key(ctx))
             # Only extend the index of this very request, and only when it is in sync.
             if req is not None and req.n == len(ctx.tokens):
+                if req.cands:
+                    self._calibration(ctx).learn(req.cands, result.tokens)
+                    req.cands = []
                 req.extend(result.tokens)
+                if req.out is not None:
+                    pool, seq = req.out
+                    pool.tree.extend(seq, result.tokens)
+                    pool.tokens += len(result.tokens)
+                    req.out_n += len(result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
         """End the request; add its new tokens to the history indexes (and the store)."""
         with self._lock:
-            self._requests.pop(_request_key(ctx), None)
+            req = self._requests.pop(_request_key(ctx), None)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
+            if req is not None and req.n < len(tokens):
+                req.extend(tokens[req.n :])
+            if req is not None:
+                self._close_outputs(req, ctx.session.session_id)
             if self.config.use_history:
                 # Stored turns are loaded first, so this one is not counted twice when it
                 # is also written to the store below.
                 pools = [p for _, p in self._pools_for(ctx.session)]
-                prev: Sequence[int] = self._last_turn.get(
-                    (ctx.session.tenant, ctx.session.session_id), [])
+                skey = (ctx.session.tenant, ctx.session.session_id)
+                new = self._novel(self._last_turn.get(skey, []), tokens)
                 for pool in pools:
-                    self._index_turn(pool, ctx.session.session_id, prev, tokens)
-                self._last_turn[(ctx.session.tenant, ctx.session.session_id)] = array("i", tokens)
+                    self._index_new(pool, ctx.session.session_id, new)
+            self._remember(ctx.session, tokens, req)
             if self.store is not None:
                 try:
                     self.store.append_turn(ctx.session, tokens)
@@ -321,6 +428,7 @@ class SuffixDrafter:
             for key in [k for k, r in self._requests.items() if r.session == ref]:
                 del self._requests[key]
             self._last_turn.pop((ref.tenant, ref.session_id), None)
+            self._carry.pop((ref.tenant, ref.session_id), None)
             for key in visible_keys(ref, "tenant"):
                 pool = self._pools.get(key)
                 if pool is None:
@@ -357,13 +465,43 @@ class SuffixDrafter:
     # ----------------------------------------------------------------- internals
     def _start(self, ctx: DraftContext) -> _Request:
         cfg = self.config
-        req = _Request(ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+        req = self._carried(ctx) or _Request(
+            ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+        self._attach_outputs(ctx, req)
+        if ctx.session is not None and cfg.use_history:
+            req.pools = self._visible(ctx.session, req.carried)
         key = _request_key(ctx)
         self._requests[key] = req
         self._requests.move_to_end(key)
         while len(self._requests) > _MAX_REQUESTS:
             self._requests.popitem(last=False)
         return req
+
+    def _attach_outputs(self, ctx: DraftContext, req: _Request) -> None:
+        """Give a new request a sequence in its scope's outputs index (the answers alone,
+        as arctic's global tree: what the model writes, not what tools return)."""
+        cfg = self.config
+        if not (cfg.use_outputs and cfg.use_history and ctx.session is not None):
+            return
+        key = ("outputs", *scope_key(ctx.session, cfg.scope)[1:])
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(new_tree(self.backend, cfg.max_depth,
+                                                     cfg.max_tokens))
+        self._seq = (self._seq + 1) & 0x7FFFFFFF
+        req.out, req.out_n = (pool, self._seq), 0
+
+    def _close_outputs(self, req: _Request, session_id: str) -> None:
+        """Account a finished request's answer in its outputs index (for eviction)."""
+        if req.out is None:
+            return
+        pool, seq = req.out
+        req.out = None
+        pool.turns.append((session_id, seq, req.out_n))
+        while pool.tokens > self.config.max_scope_tokens and len(pool.turns) > 1:
+            _, sid, n = pool.turns.popleft()
+            pool.tree.remove(sid)
+            pool.tokens -= n
 
     def _sync(self, ctx: DraftContext) -> _Request:
         """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
@@ -378,6 +516,13 @@ class SuffixDrafter:
         if len(ctx.tokens) > req.n:
             req.extend(ctx.tokens[req.n :])
         return req
+
+    def _visible(self, ref: SessionRef, carried: bool) -> list[tuple[str, _Pool]]:
+        """The history indexes a request of ``ref`` drafts from. A request whose prompt
+        extends its session's previous turn holds all of that session's history in its
+        own index already, so the session level is left out."""
+        pools = self._pools_for(ref)
+        return pools[1:] if carried else pools
 
     def _pools_for(self, ref: SessionRef) -> list[tuple[str, _Pool]]:
         """``(level, index)`` of every history ``ref`` may read, narrowest first; the
@@ -401,21 +546,62 @@ class SuffixDrafter:
             prev: list[int] = []
             for turn in self.store.load(ref):
                 cur = [int(t) for t in turn]
+                new = self._novel(prev, cur)
                 for pool in missing:
-                    self._index_turn(pool, ref.session_id, prev, cur)
+                    self._index_new(pool, ref.session_id, new)
                 prev = cur
-            if prev:
-                self._last_turn[(ref.tenant, ref.session_id)] = array("i", prev)
+            if prev and (ref.tenant, ref.session_id) not in self._last_turn:
+                self._remember(ref, prev, None)
         return out
 
-    def _index_turn(self, pool: _Pool, session_id: str, prev: Sequence[int],
-                    tokens: list[int]) -> None:
-        """Add the part of ``tokens`` the session's previous turn did not hold."""
+    def _calibration(self, ctx: DraftContext) -> _Calibration:
+        """The tenant's calibration of each level's scores (kept per tenant: nothing,
+        not even aggregate statistics, crosses tenants)."""
+        tenant = ctx.session.tenant if ctx.session is not None else ""
+        cal = self._calib.get(tenant)
+        if cal is None:
+            cal = self._calib[tenant] = _Calibration()
+        return cal
+
+    def _novel(self, prev: Sequence[int], tokens: list[int]) -> list[int]:
+        """What a turn adds to its session's previous one, with ``max_depth`` tokens of
+        left context so its start is matched in context."""
         start = max(0, novel_start(prev, tokens) - self.config.max_depth)
-        new = tokens[start:][-self.config.max_scope_tokens :]
+        return tokens[start:][-self.config.max_scope_tokens :]
+
+    def _index_new(self, pool: _Pool, session_id: str, new: list[int]) -> None:
+        """Add a turn's new tokens to one history index."""
         if new:
             self._seq = (self._seq + 1) & 0x7FFFFFFF
             pool.add(session_id, self._seq, new, self.config.max_scope_tokens)
+
+    def _remember(self, ref: SessionRef, tokens: list[int], req: _Request | None) -> None:
+        """Keep a session's latest turn (and its index, to carry into the next request)."""
+        key = (ref.tenant, ref.session_id)
+        self._last_turn[key] = tokens
+        self._last_turn.move_to_end(key)
+        while len(self._last_turn) > _MAX_SESSIONS:
+            self._last_turn.popitem(last=False)
+        if req is not None and req.n == len(tokens):
+            self._carry[key] = req
+            self._carry.move_to_end(key)
+            while len(self._carry) > _MAX_CARRIED:
+                self._carry.popitem(last=False)
+
+    def _carried(self, ctx: DraftContext) -> _Request | None:
+        """The session's previous request index when ``ctx.tokens`` extends its tokens."""
+        if ctx.session is None:
+            return None
+        key = (ctx.session.tenant, ctx.session.session_id)
+        req = self._carry.pop(key, None)
+        prev = self._last_turn.get(key)
+        if req is None or prev is None or len(ctx.tokens) < len(prev):
+            return None
+        if list(ctx.tokens[: len(prev)]) != prev:
+            return None
+        req.prompt_len, req.ref, req.carried = ctx.prompt_len, ctx.tokens, True
+        req.extend(ctx.tokens[req.n :])
+        return req
 
 
 def _request_key(ctx: DraftContext) -> Hashable:
