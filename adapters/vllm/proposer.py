@@ -22,7 +22,9 @@ output, and a history index per session over every earlier turn, prompt and outp
 
 Sessions. The proposer reads the row's vLLM request id from the model runner's input batch
 (the object that built it; see :func:`_find_runner`) and decodes the session from it
-(:mod:`adapters.vllm.request_ids`). A request that leaves the batch is finished: its tokens
+(:mod:`adapters.vllm.request_ids`). Each tracked request has its own request index, keyed by
+its vLLM request id (``DraftContext.request_id``), so two in-flight requests of one session
+never rebuild or drop each other's state. A request that leaves the batch is finished: its tokens
 join its session's history (a request vLLM preempts leaves the batch too: its tokens so
 far join the history, and it resumes with a fresh request index; drafting stays
 correct, the history holds that prefix twice). Requests without a session draft from
@@ -70,6 +72,7 @@ class _Live:
     anonymous: bool
     tokens: list[int]
     prompt_len: int
+    rid: str  # unique per tracked request: the drafter keys its request index by it
     step: int = 0
     last_draft: int = 0  # tokens proposed at the previous step
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=8))
@@ -118,7 +121,7 @@ def _find_runner(max_depth: int = 8) -> Any | None:
 
 def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
     """The drafter settings and payoff-gate threshold from the environment."""
-    scope = os.environ.get(ENV_SCOPE, "session")
+    scope = os.environ.get(ENV_SCOPE, SuffixConfig.scope)
     raw = os.environ.get(ENV_MIN_SCORE, "0")
     try:
         min_score = float(raw)
@@ -157,6 +160,7 @@ class AgentSpecProposer:
         self.stats = ProposerStats()
         self._live: dict[str, _Live] = {}
         self._anon = 0
+        self._serial = 0  # distinguishes a vLLM request id reused after it finished
 
     # ------------------------------------------------------------------ vLLM interface
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -198,7 +202,7 @@ class AgentSpecProposer:
                 accepted = min(len(sampled) - 1, live.last_draft)
                 live.recent.append((live.last_draft, accepted))
                 self.stats.accepted += accepted
-            ctx = DraftContext(live.tokens, live.prompt_len, live.ref, live.step)
+            ctx = DraftContext(live.tokens, live.prompt_len, live.ref, live.step, live.rid)
             live.step += 1
             draft = self.drafter.propose(ctx, limit)
             tokens = [int(t) for t in draft.tokens[:limit]]
@@ -260,8 +264,9 @@ class AgentSpecProposer:
                 ref = SessionRef(f"request-{self._anon}", tenant=_ANON_TENANT)
             else:
                 self.stats.sessions.add(f"{ref.tenant}/{ref.agent}/{ref.session_id}")
+            self._serial += 1
             live = _Live(ref, anonymous, [int(t) for t in row[:n]],
-                         self._prompt_len(index, n, sampled))
+                         self._prompt_len(index, n, sampled), f"{rid}#{self._serial}")
             self._live[rid] = live
         elif n > len(live.tokens):
             # Extend in place: the drafter sees the same list object and checks only the seam.
@@ -277,7 +282,10 @@ class AgentSpecProposer:
         """Add a request to its session history (or drop a session-less request's index)."""
         live = self._live.pop(rid)
         if live.anonymous:
+            self.drafter.stop_request(DraftContext(live.tokens, live.prompt_len, live.ref,
+                                                   live.step, live.rid))
             self.drafter.forget(live.ref)
             return
-        self.drafter.finish(DraftContext(live.tokens, live.prompt_len, live.ref, live.step))
+        self.drafter.finish(DraftContext(live.tokens, live.prompt_len, live.ref, live.step,
+                                         live.rid))
         self.stats.finished += 1

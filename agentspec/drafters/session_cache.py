@@ -299,6 +299,7 @@ class SuffixDrafter:
         self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
         self.store_errors = 0
+        self.requests_started = 0  # request indexes built or carried (lifecycle starts)
         self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
         self._pools: OrderedDict[tuple[str, ...], _Pool] = OrderedDict()
         # Per (tenant, session): the tokens of its latest finished turn and, while the next
@@ -465,6 +466,7 @@ class SuffixDrafter:
     # ----------------------------------------------------------------- internals
     def _start(self, ctx: DraftContext) -> _Request:
         cfg = self.config
+        self.requests_started += 1
         req = self._carried(ctx) or _Request(
             ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
         self._attach_outputs(ctx, req)
