@@ -22,7 +22,9 @@ load hits them alike):
 * ``oracle``: drafts the real answer (the upper bound: ``max_draft + 1`` tokens per step);
 * ``none``: no drafter (1 token per step, speed-up 1.0).
 
-``draft_us_p50`` / ``draft_us_p95`` time ``propose`` + ``observe`` of one step.
+``draft_us_p50`` / ``draft_us_p95`` time ``propose`` + ``observe`` of one step (the first
+step of a request includes building or extending its index); ``finish_us_mean`` times the
+end of a request (moving it into the history), once per turn.
 ``est_speedup`` = ``tokens * c(1) / sum(c(draft_len + 1) + draft time)`` with the target's
 measured verification cost ``c(k)`` (``HFTarget.cost_curve``, cached under
 ``$AGENTSPEC_HOME/costs``); ``est_speedup_gpu`` assumes a flat cost per step
@@ -46,7 +48,7 @@ from agentspec.factory import build_drafter
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.types import Draft, DraftContext, VerifyResult
-from workflows.replay_traces import PACKAGED_TRACES, ReplaySession, load_sessions
+from workflows.replay_traces import PACKAGED_TRACES, ReplaySession, ReplayTurn, load_sessions
 
 METHODS = ("agentspec", "suffix", "suffix_python", "suffix_tree", "arctic_suffix",
            "prompt_lookup", "oracle", "none")
@@ -106,6 +108,7 @@ class MethodRun:
     accepted: int = 0
     verify_units: list[int] = field(default_factory=list)  # draft_len + 1 per step
     step_ns: list[int] = field(default_factory=list)
+    finish_ns: list[int] = field(default_factory=list)  # finish() per turn (history upkeep)
 
     def replay_turn(self, prompt: list[int], output: list[int], ctx_args: dict[str, Any],
                     max_draft: int) -> None:
@@ -141,7 +144,9 @@ class MethodRun:
             pos += len(commit)
             step += 1
         if d is not None:
+            t0 = clock()
             d.finish(DraftContext(tokens, plen, step=step, **ctx_args))
+            self.finish_ns.append(clock() - t0)
             if isinstance(d, OracleDrafter):
                 d.references.clear()
 
@@ -186,11 +191,35 @@ def summarise(run: MethodRun, sessions: int, turns: int, cost: Callable[[int], f
         "draft_us_p50": round(_pct(run.step_ns, 0.50), 1),
         "draft_us_p95": round(_pct(run.step_ns, 0.95), 1),
         "draft_us_mean": round(statistics.fmean(run.step_ns) / 1e3, 1) if run.step_ns else 0.0,
+        "finish_us_mean": (round(statistics.fmean(run.finish_ns) / 1e3, 1)
+                           if run.finish_ns else 0.0),
         "est_speedup": est,
         "est_speedup_gpu": round(gpu, 3) if gpu is not None else None,
         "memory_bytes": mem,
         "bytes_per_indexed_token": per_token,
     }
+
+
+def with_preamble(sessions: Sequence[ReplaySession], tokens: int) -> list[ReplaySession]:
+    """Prefix every prompt of a session with the same ``tokens``-token preamble (the other
+    sessions' text), so each request drafts against a history of at least that length, as
+    an agent resending a large repository context does. Turns still extend each other."""
+    if tokens <= 0:
+        return list(sessions)
+    out = []
+    for i, s in enumerate(sessions):
+        pool: list[int] = []
+        for other in [*sessions[i + 1 :], *sessions[:i]]:
+            last = other.turns[-1]
+            pool.extend(last.prompt + last.output)
+            if len(pool) >= tokens:
+                break
+        while pool and len(pool) < tokens:  # fewer tokens than asked: repeat them
+            pool.extend(pool[: tokens - len(pool)])
+        pre = pool[:tokens]
+        out.append(ReplaySession(s.name, s.ref, [ReplayTurn(pre + t.prompt, t.output)
+                                                 for t in s.turns]))
+    return out
 
 
 def replay_sessions(
@@ -200,14 +229,19 @@ def replay_sessions(
     cost: Callable[[int], float] | None = None,
     gpu_step_s: float = 0.015,
     progress: bool = False,
+    context_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """Replay ``sessions`` (in order) through every method; one result row per method.
+
+    ``context_tokens`` > 0 prefixes each session's prompts with a preamble of that many
+    tokens (see :func:`with_preamble`).
 
     Raises:
         ConfigError: an unknown method or ``max_draft < 1``.
     """
     if max_draft < 1:
         raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
+    sessions = with_preamble(sessions, context_tokens)
     runs = [MethodRun(m, make_drafter(m, max_draft)) for m in methods]
     total = sum(len(t.output) for s in sessions for t in s.turns)
     from tqdm import tqdm
@@ -253,6 +287,7 @@ def run_replay(
     tenant: str = "default",
     agent: str = "default",
     progress: bool = True,
+    context_tokens: int = 0,
 ) -> dict[str, Any]:
     """Load logs, replay them through ``methods``; the JSON report.
 
@@ -266,6 +301,8 @@ def run_replay(
         tenant: Tenant of runs that do not name one.
         agent: Agent of runs that do not name one.
         progress: Show a progress bar.
+        context_tokens: Prefix each session's prompts with this many tokens of the other
+            sessions' text (drafting cost on long histories).
     """
     for m in methods:
         if m not in METHODS:
@@ -277,10 +314,12 @@ def run_replay(
     cost, curve, name = (None, None, None)
     if costs:
         cost, curve, name = measured_cost(model)
-    results = replay_sessions(sessions, methods, max_draft, cost, gpu_step_ms / 1e3, progress)
+    results = replay_sessions(sessions, methods, max_draft, cost, gpu_step_ms / 1e3, progress,
+                              context_tokens)
     return {
         "config": {"paths": [str(p) for p in paths], "max_draft": max_draft,
                    "target": name or (model or "embedded"), "gpu_step_ms": gpu_step_ms,
+                   "context_tokens": context_tokens,
                    "cost_curve_s": curve},
         "results": results,
     }

@@ -38,6 +38,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip loading the target to measure c(k) (est_speedup is null)")
     p.add_argument("--gpu-step-ms", type=float, default=15.0,
                    help="flat cost of one verification step for est_speedup_gpu (default 15)")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="prefix each session's prompts with this many tokens of the other "
+                        "sessions' text, to time drafting on long histories (e.g. 32768)")
     p.add_argument("--tenant", default="default", help="tenant of runs that name none")
     p.add_argument("--agent", default="default", help="agent of runs that name none")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
@@ -49,7 +52,7 @@ def run_replay_cli(args: argparse.Namespace) -> int:
     report = run_replay(
         args.paths, args.methods, max_draft=args.max_draft, model=args.model,
         costs=not args.no_costs, gpu_step_ms=args.gpu_step_ms, tenant=args.tenant,
-        agent=args.agent, progress=not args.no_progress,
+        agent=args.agent, progress=not args.no_progress, context_tokens=args.context_tokens,
     )
     print(format_table(report["results"]))
     if args.out:
