@@ -33,6 +33,7 @@ measured verification cost ``c(k)`` (``HFTarget.cost_curve``, cached under
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -165,7 +166,7 @@ def _memory(drafter: Drafter | None) -> tuple[int | None, float | None]:
         return int(st["memory_bytes"]), round(float(st["bytes_per_indexed_token"]), 1)
     if isinstance(drafter, ArcticSuffixDrafter):
         mem = drafter.memory_bytes()
-        return mem, None
+        return mem, round(mem / drafter.cached_tokens, 1) if drafter.cached_tokens else None
     return None, None
 
 
@@ -201,17 +202,18 @@ def summarise(run: MethodRun, sessions: int, turns: int, cost: Callable[[int], f
 
 
 def with_preamble(sessions: Sequence[ReplaySession], tokens: int) -> list[ReplaySession]:
-    """Prefix every prompt of a session with the same ``tokens``-token preamble (the other
-    sessions' text), so each request drafts against a history of at least that length, as
-    an agent resending a large repository context does. Turns still extend each other."""
+    """Prefix every prompt of a session with the same ``tokens``-token preamble, so each
+    request drafts against a history of at least that length, as an agent resending a
+    large repository context does. The preamble is the other sessions' *first* prompts
+    (system prompt, tool documentation, task), never their answers, so it does not leak
+    outputs; turns of a session still extend each other."""
     if tokens <= 0:
         return list(sessions)
     out = []
     for i, s in enumerate(sessions):
         pool: list[int] = []
-        for other in [*sessions[i + 1 :], *sessions[:i]]:
-            last = other.turns[-1]
-            pool.extend(last.prompt + last.output)
+        for other in [*sessions[i + 1 :], *sessions[:i]] or [s]:
+            pool.extend(other.turns[0].prompt)
             if len(pool) >= tokens:
                 break
         while pool and len(pool) < tokens:  # fewer tokens than asked: repeat them
@@ -267,6 +269,48 @@ def measured_cost(model: str | None) -> tuple[Callable[[int], float], dict[int, 
     return target.verify_cost, curve, target.name
 
 
+def curve_cost(curve: dict[int, float]) -> Callable[[int], float]:
+    """``c(k)`` interpolated linearly between measured points (extrapolated past the last).
+
+    Raises:
+        ConfigError: fewer than two points, or a non-positive cost.
+    """
+    pts = sorted((int(k), float(v)) for k, v in curve.items())
+    if len(pts) < 2 or any(k < 1 or v <= 0 for k, v in pts):
+        raise ConfigError(f"a cost curve needs >= 2 points k >= 1 with costs > 0, got {curve}")
+
+    def cost(k: int) -> float:
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, c0), (k1, c1) in itertools.pairwise(pts):
+            if k <= k1:
+                return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
+        (k0, c0), (k1, c1) = pts[-2], pts[-1]
+        return c1 + (c1 - c0) / (k1 - k0) * (k - k1)
+
+    return cost
+
+
+def read_curve(path: Path) -> dict[int, float]:
+    """A cost curve JSON (``{"costs": {"k": seconds}}``, the format of the cost cache).
+
+    Raises:
+        ConfigError: unreadable file or bad contents.
+    """
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+        curve = {int(k): float(v) for k, v in data["costs"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a cost curve ({{\"costs\": {{k: s}}}}): {exc}") from None
+    try:
+        curve_cost(curve)  # validates
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return curve
+
+
 def load_tokenizer(model: str | None) -> Any:
     """The target's tokenizer (its chat template renders the logs)."""
     from transformers import AutoTokenizer
@@ -288,6 +332,7 @@ def run_replay(
     agent: str = "default",
     progress: bool = True,
     context_tokens: int = 0,
+    cost_curve: Path | None = None,
 ) -> dict[str, Any]:
     """Load logs, replay them through ``methods``; the JSON report.
 
@@ -303,6 +348,8 @@ def run_replay(
         progress: Show a progress bar.
         context_tokens: Prefix each session's prompts with this many tokens of the other
             sessions' text (drafting cost on long histories).
+        cost_curve: A cost curve JSON to use instead of measuring the target (a curve
+            measured on a quiet machine: measuring under load gives nonsense).
     """
     for m in methods:
         if m not in METHODS:
@@ -312,7 +359,10 @@ def run_replay(
     paths = list(paths) if paths else [PACKAGED_TRACES]
     sessions = load_sessions(paths, load_tokenizer(model), tenant=tenant, agent=agent)
     cost, curve, name = (None, None, None)
-    if costs:
+    if cost_curve is not None:
+        curve = read_curve(cost_curve)
+        cost = curve_cost(curve)
+    elif costs:
         cost, curve, name = measured_cost(model)
     results = replay_sessions(sessions, methods, max_draft, cost, gpu_step_ms / 1e3, progress,
                               context_tokens)

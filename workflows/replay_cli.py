@@ -36,6 +36,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
                    help="target whose chat template and c(k) are used (default: embedded)")
     p.add_argument("--no-costs", action="store_true",
                    help="skip loading the target to measure c(k) (est_speedup is null)")
+    p.add_argument("--cost-curve", type=Path, default=None,
+                   help="c(k) JSON ({\"costs\": {\"k\": seconds}}) instead of measuring the "
+                        "target now (a busy machine measures nonsense)")
     p.add_argument("--gpu-step-ms", type=float, default=15.0,
                    help="flat cost of one verification step for est_speedup_gpu (default 15)")
     p.add_argument("--context-tokens", type=int, default=0,
@@ -53,6 +56,7 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         args.paths, args.methods, max_draft=args.max_draft, model=args.model,
         costs=not args.no_costs, gpu_step_ms=args.gpu_step_ms, tenant=args.tenant,
         agent=args.agent, progress=not args.no_progress, context_tokens=args.context_tokens,
+        cost_curve=args.cost_curve,
     )
     print(format_table(report["results"]))
     if args.out:

@@ -67,7 +67,7 @@ class _Live:
     """One request in arctic's cache, driven as vLLM drives it: the committed tokens live
     in a growing int32 buffer and arctic reads a view of its tail (no per-step copies)."""
 
-    __slots__ = ("buf", "cache", "n", "rid")
+    __slots__ = ("added", "buf", "cache", "n", "rid")
 
     def __init__(self, cache: Any, rid: int, tokens: Sequence[int], prompt_len: int) -> None:
         import numpy as np
@@ -76,6 +76,7 @@ class _Live:
         self.buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int32)
         self.buf[: len(tokens)] = tokens
         self.n = len(tokens)
+        self.added = 0  # response tokens handed to arctic (its global tree holds them)
         cache.start_request(rid, self.buf[:prompt_len])
         if self.n > prompt_len:  # a request resumed mid-output
             cache.add_active_response(rid, self.buf[prompt_len : self.n])
@@ -94,6 +95,7 @@ class _Live:
         self.buf[self.n : self.n + k] = tokens
         self.cache.add_active_response(self.rid, self.buf[self.n : self.n + k])
         self.n += k
+        self.added += k
 
 
 class ArcticSuffixDrafter:
@@ -111,6 +113,7 @@ class ArcticSuffixDrafter:
         self._caches: dict[str, Any] = {}
         self._ids = itertools.count()
         self._live: dict[Hashable, _Live] = {}
+        self.cached_tokens = 0  # response tokens of finished requests in the global trees
 
     def _cache(self, ctx: DraftContext) -> Any:
         tenant = ctx.session.tenant if ctx.session is not None else "default"
@@ -158,6 +161,7 @@ class ArcticSuffixDrafter:
         if live.n < len(ctx.tokens):
             live.add(ctx.tokens[live.n :])
         live.cache.stop_request(live.rid)
+        self.cached_tokens += live.added
 
     def memory_bytes(self) -> int:
         """arctic's estimate of its global trees (per-request trees are not exposed)."""

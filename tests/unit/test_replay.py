@@ -154,3 +154,33 @@ def test_packaged_traces_ship_with_their_license() -> None:
     files = sorted(p.name for p in PACKAGED_TRACES.iterdir())
     assert "LICENSE" in files and sum(f.endswith(".traj") for f in files) == 13
     assert "MIT License" in (PACKAGED_TRACES / "LICENSE").read_text()
+
+
+def test_preamble_lengthens_prompts_without_leaking_answers() -> None:
+    from workflows.replay import with_preamble
+
+    sessions = _sessions()
+    padded = with_preamble(sessions, 500)
+    answers = {tuple(t.output) for s in sessions for t in s.turns}
+    for before, after in zip(sessions, padded, strict=True):
+        pre = after.turns[0].prompt[:500]
+        assert len(pre) == 500 and tuple(pre) not in answers
+        for b, a in zip(before.turns, after.turns, strict=True):
+            assert a.prompt == pre + b.prompt and a.output == b.output
+    assert with_preamble(sessions, 0) == sessions
+
+
+def test_cost_curve_interpolates_and_rejects_bad_files(tmp_path: Path) -> None:
+    from agentspec.errors import ConfigError
+    from workflows.replay import curve_cost, read_curve
+
+    packaged = Path(replay.__file__).parent / "data" / "costs"
+    curve = read_curve(next(packaged.glob("*.json")))
+    cost = curve_cost(curve)
+    assert cost(1) == curve[1] and cost(32) == curve[32]
+    assert curve[4] < cost(6) < curve[8] or curve[8] < cost(6) < curve[4]
+    assert cost(64) > cost(32)
+    bad = tmp_path / "c.json"
+    bad.write_text('{"costs": {"1": 0.1}}')
+    with pytest.raises(ConfigError, match="c.json"):
+        read_curve(bad)
