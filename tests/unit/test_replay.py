@@ -182,5 +182,5 @@ def test_cost_curve_interpolates_and_rejects_bad_files(tmp_path: Path) -> None:
     assert cost(64) > cost(32)
     bad = tmp_path / "c.json"
     bad.write_text('{"costs": {"1": 0.1}}')
-    with pytest.raises(ConfigError, match="c.json"):
+    with pytest.raises(ConfigError, match=r"c\.json"):
         read_curve(bad)
