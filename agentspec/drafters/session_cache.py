@@ -358,19 +358,23 @@ class SuffixDrafter:
                     if spec[0]:
                         cands.append(("outputs", spec))
             best: Speculation = ([], 0, 0.0, None)
-            origin, value = "none", 0.0
-            calib = self._calibration(ctx)
-            for level, spec in cands:
-                # The expected accepted length: the index's own estimate (its score), scaled
-                # by how that level's estimates have turned out for this tenant.
-                v = spec[2] * calib.ratio(level, spec[1])
-                if v > value:
-                    best, origin, value = spec, level, v
-            if req is not None and cfg.calibrate and len(cands) > 1:
-                req.cands = cands
+            origin = "none"
+            if len(cands) == 1:
+                origin, best = cands[0]
+            elif cands:
+                calib, value = self._calibration(ctx), 0.0
+                for level, spec in cands:
+                    # The expected accepted length: the index's own estimate (its score),
+                    # scaled by how that level's estimates have turned out for this tenant.
+                    v = spec[2] * calib.ratio(level, spec[1])
+                    if v > value:
+                        best, origin, value = spec, level, v
+                if req is not None and cfg.calibrate:
+                    req.cands = cands
         self.last_origin = origin
-        return Draft(tokens=list(best[0]), parents=list(best[3]) if best[3] else None,
-                     score=best[2], match_len=best[1], source=self.name)
+        # Both backends return fresh lists: no copy needed.
+        return Draft(tokens=best[0], parents=best[3] or None, score=best[2],
+                     match_len=best[1], source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Append the committed tokens to the request index."""
