@@ -58,8 +58,11 @@ log = logging.getLogger(__name__)
 
 SCOPES = ("session", "agent", "tenant")
 _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
-_MAX_CARRIED = 64  # finished request indexes kept for their session's next request
-_MAX_SESSIONS = 4096  # sessions whose latest turn is kept (to find a turn's new tokens)
+# Finished request indexes kept for their session's next request, in tokens (~150 MB with
+# the C++ tree at ~290 bytes per token), and latest turns kept to find a turn's new tokens
+# (8 bytes per token: the token objects are shared with the caller's lists).
+_CARRY_TOKENS = 1 << 19
+_LAST_TURN_TOKENS = 1 << 22
 
 
 class TurnStore(Protocol):
@@ -308,6 +311,8 @@ class SuffixDrafter:
         # and extended instead of rebuilt from a 30k-token prompt).
         self._last_turn: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._carry: OrderedDict[tuple[str, str], _Request] = OrderedDict()
+        self._carry_tokens = 0
+        self._last_turn_tokens = 0
         self._calib: dict[str, _Calibration] = {}
         self._seq = 0
         self._lock = threading.Lock()
@@ -432,8 +437,10 @@ class SuffixDrafter:
         with self._lock:
             for key in [k for k, r in self._requests.items() if r.session == ref]:
                 del self._requests[key]
-            self._last_turn.pop((ref.tenant, ref.session_id), None)
-            self._carry.pop((ref.tenant, ref.session_id), None)
+            old = self._last_turn.pop((ref.tenant, ref.session_id), None)
+            self._last_turn_tokens -= len(old) if old is not None else 0
+            gone = self._carry.pop((ref.tenant, ref.session_id), None)
+            self._carry_tokens -= gone.n if gone is not None else 0
             for key in visible_keys(ref, "tenant"):
                 pool = self._pools.get(key)
                 if pool is None:
@@ -584,15 +591,18 @@ class SuffixDrafter:
     def _remember(self, ref: SessionRef, tokens: list[int], req: _Request | None) -> None:
         """Keep a session's latest turn (and its index, to carry into the next request)."""
         key = (ref.tenant, ref.session_id)
+        old = self._last_turn.pop(key, None)
+        self._last_turn_tokens += len(tokens) - (len(old) if old is not None else 0)
         self._last_turn[key] = tokens
-        self._last_turn.move_to_end(key)
-        while len(self._last_turn) > _MAX_SESSIONS:
-            self._last_turn.popitem(last=False)
+        while self._last_turn_tokens > _LAST_TURN_TOKENS and len(self._last_turn) > 1:
+            self._last_turn_tokens -= len(self._last_turn.popitem(last=False)[1])
+        gone = self._carry.pop(key, None)
+        self._carry_tokens -= gone.n if gone is not None else 0
         if req is not None and req.n == len(tokens):
             self._carry[key] = req
-            self._carry.move_to_end(key)
-            while len(self._carry) > _MAX_CARRIED:
-                self._carry.popitem(last=False)
+            self._carry_tokens += req.n
+            while self._carry_tokens > _CARRY_TOKENS and self._carry:
+                self._carry_tokens -= self._carry.popitem(last=False)[1].n
 
     def _carried(self, ctx: DraftContext) -> _Request | None:
         """The session's previous request index when ``ctx.tokens`` extends its tokens."""
@@ -600,6 +610,7 @@ class SuffixDrafter:
             return None
         key = (ctx.session.tenant, ctx.session.session_id)
         req = self._carry.pop(key, None)
+        self._carry_tokens -= req.n if req is not None else 0
         prev = self._last_turn.get(key)
         if req is None or prev is None or len(ctx.tokens) < len(prev):
             return None

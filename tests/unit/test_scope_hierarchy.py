@@ -149,3 +149,24 @@ def test_backends_agree_on_a_copy_workload() -> None:
         _run(d, [1, *doc, 2], doc, ref, "a")
         steps[backend] = len(_run(d, [3], doc, ref, "b"))
     assert steps["python"] == steps["arctic"] <= len(doc) // 12
+
+
+def test_carried_indexes_and_latest_turns_stay_within_their_token_budgets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentspec.drafters import session_cache
+
+    monkeypatch.setattr(session_cache, "_CARRY_TOKENS", 500)
+    monkeypatch.setattr(session_cache, "_LAST_TURN_TOKENS", 800)
+    drafter = SuffixDrafter(SuffixConfig(backend="python"))
+    rng = random.Random(2)
+    for i in range(12):
+        ref = SessionRef(f"s{i % 5}")
+        _run(drafter, [rng.randrange(100, 900) for _ in range(120)], [5, 6, 7], ref, f"r{i}")
+        with drafter._lock:
+            assert drafter._carry_tokens == sum(r.n for r in drafter._carry.values()) <= 500
+            assert drafter._last_turn_tokens == sum(map(len, drafter._last_turn.values()))
+            assert drafter._last_turn_tokens <= 800
+    drafter.forget(SessionRef("s1"))
+    with drafter._lock:
+        assert drafter._carry_tokens == sum(r.n for r in drafter._carry.values())
