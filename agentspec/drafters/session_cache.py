@@ -37,249 +37,41 @@ pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix_backends
 from __future__ import annotations
 
 import logging
-import math
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from agentspec.drafters.cache_levels import (
+    SCOPES,
+    Calibration,
+    Pool,
+    Request,
+    novel_start,
+    request_key,
+    scope_key,
+    visible_keys,
+)
 from agentspec.drafters.suffix_backends import (
-    BACKENDS,
     Speculation,
-    Tree,
     new_tree,
     resolve_backend,
 )
-from agentspec.errors import AgentSpecError, ConfigError
+from agentspec.drafters.suffix_config import SuffixConfig, TurnStore
+from agentspec.errors import AgentSpecError
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+
+__all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "novel_start", "scope_key",
+           "visible_keys"]
 
 log = logging.getLogger(__name__)
 
-SCOPES = ("session", "agent", "tenant")
 _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
 # Finished request indexes kept for their session's next request, in tokens (~150 MB with
 # the C++ tree at ~290 bytes per token), and latest turns kept to find a turn's new tokens
 # (8 bytes per token: the token objects are shared with the caller's lists).
 _CARRY_TOKENS = 1 << 19
 _LAST_TURN_TOKENS = 1 << 22
-
-
-class TurnStore(Protocol):
-    """Persistent storage of finished turns (implemented by ``agentspec.store``)."""
-
-    def load(self, ref: SessionRef) -> list[list[int]]:
-        """Token ids of every stored turn of ``ref``'s session, oldest first."""
-        ...
-
-    def append_turn(self, ref: SessionRef, tokens: list[int]) -> None:
-        """Persist one finished turn (prompt + output) of ``ref``'s session."""
-        ...
-
-
-@dataclass(frozen=True)
-class SuffixConfig:
-    """Settings of :class:`SuffixDrafter`.
-
-    Attributes:
-        max_depth: Longest context suffix matched against an index.
-        max_spec_factor: Draft length cap per matched token. Agent outputs copy long spans
-            (documents, tool results), so a long match earns a longer draft than in chat.
-        max_spec_offset: Tokens added to the cap, so short but confident matches still draft.
-        min_token_prob: A draft stops when its path probability falls below this.
-        max_tokens: Most tokens per draft (the engine may ask for fewer).
-        scope: The widest history a request reads: ``"session"``, ``"agent"`` or
-            ``"tenant"`` (always within its tenant; see the module docstring).
-        max_scope_tokens: Tokens kept per history index; the oldest turns are dropped.
-        max_scopes: History indexes kept in memory (least recently used are dropped; they
-            are reloaded from the store, if any, when needed again).
-        use_request_index: Consult the per-request index.
-        use_history: Consult (and fill) the history indexes.
-        tree: Draft a small token tree (the most probable continuations, best first, at
-            most ``max_tokens`` nodes) instead of one chain; the engine verifies its
-            branches in one batched forward (greedy requests only).
-        backend: ``"auto"`` (arctic-inference's C++ tree when installed), ``"arctic"`` or
-            ``"python"``.
-        use_outputs: Also draft from an index of the scope's answers alone (arctic's
-            global tree), which the current answer joins as it is generated.
-        calibrate: Scale each level's scores by how well they predicted acceptance so far
-            (every candidate is checked against the committed tokens each step).
-    """
-
-    max_depth: int = 64
-    max_spec_factor: float = 2.0
-    max_spec_offset: float = 8.0
-    min_token_prob: float = 0.1
-    max_tokens: int = 32
-    scope: str = "tenant"
-    max_scope_tokens: int = 1_048_576
-    max_scopes: int = 256
-    use_request_index: bool = True
-    use_history: bool = True
-    tree: bool = False
-    backend: str = "auto"
-    calibrate: bool = True
-    use_outputs: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (math.isfinite(self.max_spec_factor) and self.max_spec_factor >= 0):
-            raise ConfigError(f"max_spec_factor must be >= 0, got {self.max_spec_factor!r}")
-        if not math.isfinite(self.max_spec_offset):
-            raise ConfigError(f"max_spec_offset must be finite, got {self.max_spec_offset!r}")
-        if not 0.0 <= self.min_token_prob <= 1.0:
-            raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob!r}")
-        if self.scope not in SCOPES:
-            raise ConfigError(f"scope must be one of {SCOPES}, got {self.scope!r}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-
-
-def scope_key(ref: SessionRef, scope: str) -> tuple[str, ...]:
-    """The history index of one level for a session; the tenant is always part of it."""
-    if scope == "session":
-        return ("session", ref.tenant, ref.session_id)
-    if scope == "agent":
-        return ("agent", ref.tenant, ref.agent)
-    return ("tenant", ref.tenant)
-
-
-def visible_keys(ref: SessionRef, scope: str) -> list[tuple[str, ...]]:
-    """Every history index a request of ``ref`` may read under ``scope``, narrowest first."""
-    return [scope_key(ref, level) for level in SCOPES[: SCOPES.index(scope) + 1]]
-
-
-def novel_start(prev: Sequence[int], cur: Sequence[int]) -> int:
-    """Length of the common prefix of a session's previous turn and its next one.
-
-    Slices are compared in C (a 32k-token prefix in ~0.1 ms), bisecting to the first
-    difference, then a short Python scan.
-    """
-    n = min(len(prev), len(cur))
-    a, b = list(prev[:n]), list(cur[:n])
-    if a == b:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while hi - lo > 32:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    while lo < hi and a[lo] == b[lo]:
-        lo += 1
-    return lo
-
-
-class _Request:
-    """One live request: its index and how many of its tokens the index holds."""
-
-    def __init__(self, tokens: Sequence[int], ctx: DraftContext, tree: Tree) -> None:
-        self.tree = tree
-        self.n = len(tokens)
-        self.prompt_len = ctx.prompt_len
-        self.session = ctx.session
-        self.last = int(tokens[-1]) if self.n else -1
-        self.ref: Sequence[int] = ctx.tokens  # the caller's list (identity: same request)
-        self.cands: list[tuple[str, Speculation]] = []  # last step's drafts, to calibrate
-        self.out: tuple[_Pool, int] | None = None  # (outputs index, this request's sequence)
-        self.out_n = 0
-        self.pools: list[tuple[str, _Pool]] = []  # the history indexes it reads
-        self.carried = False  # its prompt extends the session's previous turn
-        self.tree.extend(0, [int(t) for t in tokens])
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Index committed tokens of this request."""
-        new = [int(t) for t in tokens]
-        if new:
-            self.tree.extend(0, new)
-            self.n += len(new)
-            self.last = new[-1]
-
-    def continues(self, ctx: DraftContext) -> bool:
-        """Without a request id: does ``ctx`` extend what this index holds? (The seam is
-        checked; the caller's list object is trusted, as the engine grows it in place.)"""
-        toks = ctx.tokens
-        if ctx.prompt_len != self.prompt_len or len(toks) < self.n:
-            return False
-        if self.n and int(toks[self.n - 1]) != self.last:
-            return False
-        if toks is not self.ref:
-            if not isinstance(toks, list) or len(toks) != self.n:
-                return False
-            self.ref = toks
-        return True
-
-
-class _Calibration:
-    """Per index level, how the drafts' scores compare with what the target accepted.
-
-    Every candidate draft of a step (not just the one sent) is checked against the tokens
-    the step committed, so each level's score is calibrated on every step for free. The
-    sums decay (half-life ~70 steps) so the calibration follows the workload.
-    """
-
-    DECAY = 0.99
-    PRIOR = 4.0  # pseudo-steps where accepted == score (ratio 1 before any evidence)
-
-    def __init__(self) -> None:
-        self.sums: dict[tuple[str, int], list[float]] = {}
-
-    @staticmethod
-    def key(level: str, match_len: int) -> tuple[str, int]:
-        """Calibration cell: the level and the match length's power-of-two bucket (a
-        one-token match and a 40-token match of one index are not equally reliable)."""
-        return level, min(match_len, 64).bit_length()
-
-    def ratio(self, level: str, match_len: int) -> float:
-        """Accepted tokens per unit of score at ``level`` for matches of this length."""
-        acc, score = self.sums.get(self.key(level, match_len), (0.0, 0.0))
-        return (acc + self.PRIOR) / (score + self.PRIOR)
-
-    def learn(self, cands: Sequence[tuple[str, Speculation]], committed: Sequence[int]) -> None:
-        """Score each candidate against the committed tokens (a prefix of the truth)."""
-        for level, (tokens, match_len, score, parents) in cands:
-            if parents is not None:
-                continue  # tree drafts: the chosen branch is unknown here
-            n = 0
-            for a, b in zip(tokens, committed, strict=False):
-                if a != b:
-                    break
-                n += 1
-            st = self.sums.setdefault(self.key(level, match_len), [0.0, 0.0])
-            st[0] = st[0] * self.DECAY + n
-            st[1] = st[1] * self.DECAY + score
-
-
-class _Pool:
-    """One history index and the turns it holds (oldest first, for eviction)."""
-
-    def __init__(self, tree: Tree) -> None:
-        self.tree = tree
-        self.turns: deque[tuple[str, int, int]] = deque()  # (session id, seq id, tokens)
-        self.tokens = 0
-        self.sessions: set[str] = set()  # sessions whose stored turns are loaded
-
-    def add(self, session_id: str, seq_id: int, tokens: list[int], budget: int) -> None:
-        """Index one turn's new tokens; drop the oldest turns above ``budget`` tokens."""
-        self.tree.extend(seq_id, tokens)
-        self.turns.append((session_id, seq_id, len(tokens)))
-        self.tokens += len(tokens)
-        while self.tokens > budget and len(self.turns) > 1:
-            _, sid, n = self.turns.popleft()
-            self.tree.remove(sid)
-            self.tokens -= n
-
-    def drop_session(self, session_id: str) -> None:
-        """Remove every turn of one session."""
-        for _, sid, n in [t for t in self.turns if t[0] == session_id]:
-            self.tree.remove(sid)
-            self.tokens -= n
-        self.turns = deque(t for t in self.turns if t[0] != session_id)
-        self.sessions.discard(session_id)
 
 
 class SuffixDrafter:
@@ -303,17 +95,17 @@ class SuffixDrafter:
         self.last_origin = "none"
         self.store_errors = 0
         self.requests_started = 0  # request indexes built or carried (lifecycle starts)
-        self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
-        self._pools: OrderedDict[tuple[str, ...], _Pool] = OrderedDict()
+        self._requests: OrderedDict[Hashable, Request] = OrderedDict()
+        self._pools: OrderedDict[tuple[str, ...], Pool] = OrderedDict()
         # Per (tenant, session): the tokens of its latest finished turn and, while the next
         # request has not started, that turn's request index (agents resend the
         # conversation, so the next prompt usually extends it: the index is carried over
         # and extended instead of rebuilt from a 30k-token prompt).
         self._last_turn: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        self._carry: OrderedDict[tuple[str, str], _Request] = OrderedDict()
+        self._carry: OrderedDict[tuple[str, str], Request] = OrderedDict()
         self._carry_tokens = 0
         self._last_turn_tokens = 0
-        self._calib: dict[str, _Calibration] = {}
+        self._calib: dict[str, Calibration] = {}
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -326,7 +118,7 @@ class SuffixDrafter:
     def stop_request(self, ctx: DraftContext) -> None:
         """End a request without adding it to any history (aborted, or not worth keeping)."""
         with self._lock:
-            self._requests.pop(_request_key(ctx), None)
+            self._requests.pop(request_key(ctx), None)
 
     # ----------------------------------------------------------------- Drafter protocol
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -339,7 +131,7 @@ class SuffixDrafter:
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
         args = (limit, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, cfg.tree)
         cands: list[tuple[str, Speculation]] = []  # non-empty drafts, narrowest index first
-        req: _Request | None = None
+        req: Request | None = None
         with self._lock:
             if cfg.use_request_index:
                 req = self._sync(ctx)
@@ -386,7 +178,7 @@ class SuffixDrafter:
         if not self.config.use_request_index:
             return
         with self._lock:
-            req = self._requests.get(_request_key(ctx))
+            req = self._requests.get(request_key(ctx))
             # Only extend the index of this very request, and only when it is in sync.
             if req is not None and req.n == len(ctx.tokens):
                 if req.cands:
@@ -402,7 +194,7 @@ class SuffixDrafter:
     def finish(self, ctx: DraftContext) -> None:
         """End the request; add its new tokens to the history indexes (and the store)."""
         with self._lock:
-            req = self._requests.pop(_request_key(ctx), None)
+            req = self._requests.pop(request_key(ctx), None)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
@@ -475,22 +267,22 @@ class SuffixDrafter:
             }
 
     # ----------------------------------------------------------------- internals
-    def _start(self, ctx: DraftContext) -> _Request:
+    def _start(self, ctx: DraftContext) -> Request:
         cfg = self.config
         self.requests_started += 1
-        req = self._carried(ctx) or _Request(
+        req = self._carried(ctx) or Request(
             ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
         self._attach_outputs(ctx, req)
         if ctx.session is not None and cfg.use_history:
             req.pools = self._visible(ctx.session, req.carried)
-        key = _request_key(ctx)
+        key = request_key(ctx)
         self._requests[key] = req
         self._requests.move_to_end(key)
         while len(self._requests) > _MAX_REQUESTS:
             self._requests.popitem(last=False)
         return req
 
-    def _attach_outputs(self, ctx: DraftContext, req: _Request) -> None:
+    def _attach_outputs(self, ctx: DraftContext, req: Request) -> None:
         """Give a new request a sequence in its scope's outputs index (the answers alone,
         as arctic's global tree: what the model writes, not what tools return)."""
         cfg = self.config
@@ -499,12 +291,12 @@ class SuffixDrafter:
         key = ("outputs", *scope_key(ctx.session, cfg.scope)[1:])
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _Pool(new_tree(self.backend, cfg.max_depth,
+            pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
                                                      cfg.max_tokens))
         self._seq = (self._seq + 1) & 0x7FFFFFFF
         req.out, req.out_n = (pool, self._seq), 0
 
-    def _close_outputs(self, req: _Request, session_id: str) -> None:
+    def _close_outputs(self, req: Request, session_id: str) -> None:
         """Account a finished request's answer in its outputs index (for eviction)."""
         if req.out is None:
             return
@@ -516,9 +308,9 @@ class SuffixDrafter:
             pool.tree.remove(sid)
             pool.tokens -= n
 
-    def _sync(self, ctx: DraftContext) -> _Request:
+    def _sync(self, ctx: DraftContext) -> Request:
         """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
-        req = self._requests.get(_request_key(ctx))
+        req = self._requests.get(request_key(ctx))
         if req is None:
             return self._start(ctx)
         if ctx.request_id is None:
@@ -530,23 +322,23 @@ class SuffixDrafter:
             req.extend(ctx.tokens[req.n :])
         return req
 
-    def _visible(self, ref: SessionRef, carried: bool) -> list[tuple[str, _Pool]]:
+    def _visible(self, ref: SessionRef, carried: bool) -> list[tuple[str, Pool]]:
         """The history indexes a request of ``ref`` drafts from. A request whose prompt
         extends its session's previous turn holds all of that session's history in its
         own index already, so the session level is left out."""
         pools = self._pools_for(ref)
         return pools[1:] if carried else pools
 
-    def _pools_for(self, ref: SessionRef) -> list[tuple[str, _Pool]]:
+    def _pools_for(self, ref: SessionRef) -> list[tuple[str, Pool]]:
         """``(level, index)`` of every history ``ref`` may read, narrowest first; the
         session's stored turns are loaded (one ``store.load``) into those that lack them."""
         cfg = self.config
-        out: list[tuple[str, _Pool]] = []
-        missing: list[_Pool] = []
+        out: list[tuple[str, Pool]] = []
+        missing: list[Pool] = []
         for key in visible_keys(ref, cfg.scope):
             pool = self._pools.get(key)
             if pool is None:
-                pool = self._pools[key] = _Pool(new_tree(self.backend, cfg.max_depth,
+                pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
                                                          cfg.max_tokens))
             self._pools.move_to_end(key)
             if ref.session_id not in pool.sessions:
@@ -567,13 +359,13 @@ class SuffixDrafter:
                 self._remember(ref, prev, None)
         return out
 
-    def _calibration(self, ctx: DraftContext) -> _Calibration:
+    def _calibration(self, ctx: DraftContext) -> Calibration:
         """The tenant's calibration of each level's scores (kept per tenant: nothing,
         not even aggregate statistics, crosses tenants)."""
         tenant = ctx.session.tenant if ctx.session is not None else ""
         cal = self._calib.get(tenant)
         if cal is None:
-            cal = self._calib[tenant] = _Calibration()
+            cal = self._calib[tenant] = Calibration()
         return cal
 
     def _novel(self, prev: Sequence[int], tokens: list[int]) -> list[int]:
@@ -582,13 +374,13 @@ class SuffixDrafter:
         start = max(0, novel_start(prev, tokens) - self.config.max_depth)
         return tokens[start:][-self.config.max_scope_tokens :]
 
-    def _index_new(self, pool: _Pool, session_id: str, new: list[int]) -> None:
+    def _index_new(self, pool: Pool, session_id: str, new: list[int]) -> None:
         """Add a turn's new tokens to one history index."""
         if new:
             self._seq = (self._seq + 1) & 0x7FFFFFFF
             pool.add(session_id, self._seq, new, self.config.max_scope_tokens)
 
-    def _remember(self, ref: SessionRef, tokens: list[int], req: _Request | None) -> None:
+    def _remember(self, ref: SessionRef, tokens: list[int], req: Request | None) -> None:
         """Keep a session's latest turn (and its index, to carry into the next request)."""
         key = (ref.tenant, ref.session_id)
         old = self._last_turn.pop(key, None)
@@ -604,7 +396,7 @@ class SuffixDrafter:
             while self._carry_tokens > _CARRY_TOKENS and self._carry:
                 self._carry_tokens -= self._carry.popitem(last=False)[1].n
 
-    def _carried(self, ctx: DraftContext) -> _Request | None:
+    def _carried(self, ctx: DraftContext) -> Request | None:
         """The session's previous request index when ``ctx.tokens`` extends its tokens."""
         if ctx.session is None:
             return None
@@ -619,8 +411,3 @@ class SuffixDrafter:
         req.prompt_len, req.ref, req.carried = ctx.prompt_len, ctx.tokens, True
         req.extend(ctx.tokens[req.n :])
         return req
-
-
-def _request_key(ctx: DraftContext) -> Hashable:
-    """Requests are keyed by their id when they have one, else by their session."""
-    return ("id", ctx.request_id) if ctx.request_id is not None else ("session", ctx.session)
