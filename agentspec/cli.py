@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_drafter_parser(sub)
 
+    from workflows.replay_cli import add_replay_parser
+
+    add_replay_parser(sub)
+
     gen = sub.add_parser("generate", help="answer one prompt with the embedded model",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
@@ -196,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             from workflows.training_data import WORKLOAD_DOCUMENTS
 
             return run_train_drafter(args, WORKLOAD_DOCUMENTS)
+        if args.command == "replay":
+            from workflows.replay_cli import run_replay_cli
+
+            return run_replay_cli(args)
         if args.command == "sessions":
             from agentspec.sessions_cli import run_sessions
 

@@ -11,6 +11,7 @@ loop is also the greedy baseline.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from agentspec.verifiers.tree import branch_rows, greedy_branch_accept
 
 Decode = Callable[[Sequence[int]], str]
 
+
+_REQUEST_IDS = itertools.count()  # process-wide: ids of concurrent requests differ
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -270,6 +273,9 @@ class SpeculativeDecoder:
             if isinstance(part, RequestAware):
                 part.begin_request(session, rng)
         learner = self._learner()
+        # Stateful drafters key per-request state by this id (concurrent requests of one
+        # session must not share it).
+        rid = f"engine-{next(_REQUEST_IDS)}"
         stats = RequestStats(prompt_tokens=len(prompt))
         checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
         t_start = time.perf_counter()
@@ -285,7 +291,7 @@ class SpeculativeDecoder:
         generated: list[int] = []
         finish: str | None = None
         while finish is None:
-            ctx = DraftContext(context, len(prompt), session, len(stats.steps))
+            ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid)
             room = max_tokens - len(generated) - 1  # the verifier always adds one token
             t0 = time.perf_counter()
             step = self._step(ctx, min(self.config.max_draft, room), sampling, rng)
@@ -310,7 +316,7 @@ class SpeculativeDecoder:
             )
             yield list(generated)
         if learner is not None:
-            learner.finish(DraftContext(context, len(prompt), session, len(stats.steps)))
+            learner.finish(DraftContext(context, len(prompt), session, len(stats.steps), rid))
         stats.generated_tokens = len(generated)
         stats.total_s = time.perf_counter() - t_start
         return Generation(generated, checker.final_text(generated), finish, stats)

@@ -46,7 +46,7 @@ class DraftingPolicy(BaseModel):
 
     method: DraftMethod = "suffix"
     max_draft: int = Field(default=32, ge=1, le=64)
-    scope: Scope = "session"
+    scope: Scope = "tenant"
     draft_model: str | None = None
     min_draft: int = Field(default=1, ge=1, le=64)
     tree: bool = False

@@ -97,12 +97,17 @@ class DraftContext:
         prompt_len: Number of prompt tokens at the start of ``tokens``.
         session: Session the request belongs to (``None`` for one-off requests).
         step: Index of the decode step (0 for the first draft).
+        request_id: The request's id, when the caller has one (the engine, vLLM). Stateful
+            drafters key per-request state by it, so concurrent requests of one session
+            keep separate state; ``None``: they fall back to guessing from ``step`` and
+            the tokens.
     """
 
     tokens: Sequence[int]
     prompt_len: int
     session: SessionRef | None = None
     step: int = 0
+    request_id: str | None = None
 
     @property
     def generated(self) -> Sequence[int]:

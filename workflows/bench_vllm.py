@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.errors import BenchmarkError
-from agentspec.types import SessionRef
+from agentspec.types import SamplingParams, SessionRef
 
 # name -> (AgentSpec drafting.method, proposer, payoff gate)
 CONFIGS: dict[str, tuple[str, str, str]] = {
@@ -59,38 +59,66 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     settings = EngineSettings(
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len
     )
+    stats_file = Path(tempfile.mkdtemp()) / "proposer_stats.json"
+    os.environ["AGENTSPEC_VLLM_STATS"] = str(stats_file)  # read by the proposer's worker
     start = time.perf_counter()
     rt = VLLMRuntime.load(args.model, spec, proposer, settings, payoff)  # type: ignore[arg-type]
     start_s = time.perf_counter() - start
+    extra: dict[str, Any] = {}
     try:
         rt.chat([{"role": "user", "content": "Say hi."}], max_tokens=4)  # warm-up
         turns: list[dict[str, Any]] = []
-        for wl_name in args.workloads:
-            workload = load_workload(wl_name, args.data)
-            for sess in workload.sessions(args.limit, args.turns):
-                ref = SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}")
-                last: str | None = None
-                turn = 0
-                while (req := sess.next_request(last)) is not None:
-                    turn += 1
-                    out = rt.chat(
-                        req.messages, req.tools, session=ref, stop=req.stop,
-                        max_tokens=min(req.max_tokens, args.max_tokens),
-                        assistant_prefix=getattr(req, "prefix", ""),  # opens the answer
-                    )
-                    turns.append({
-                        "workload": wl_name, "session_id": ref.session_id, "turn": turn,
-                        "prompt_tokens": out.prompt_tokens, "tokens": out.tokens,
-                        "seconds": out.stats.total_s, "forwards": out.stats.forwards,
-                        "accepted_histogram": out.stats.accepted_histogram(),
-                        "finish_reason": out.finish_reason,
-                    })
-                    last = out.text
+        if args.concurrency > 1:
+            from workflows.vllm_concurrency import run_concurrent
+
+            jobs = [(wl_name, SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}"),
+                     sess)
+                    for wl_name in args.workloads
+                    for sess in load_workload(wl_name, args.data).sessions(args.limit,
+                                                                          args.turns)]
+            greedy = SamplingParams()
+            run = run_concurrent(rt, jobs, args.concurrency, args.max_tokens,
+                                 lambda n, stop: rt._sampling_params(greedy, n, stop))
+            turns = run.turns
+            extra = run.summary()
+        else:
+            turns = _sequential_turns(rt, args, name)
     finally:
         rt.shutdown()
+    if stats_file.is_file():  # only agentspec's proposer writes it
+        extra["proposer"] = json.loads(stats_file.read_text())
     return {"config": name, "method": method, "proposer": proposer, "payoff": payoff,
             "start_s": round(start_s, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
-            "turns": turns}
+            "concurrency": args.concurrency, "turns": turns, **extra}
+
+
+def _sequential_turns(rt: Any, args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
+    """One request at a time, sessions one after the other."""
+    from workflows.harness import load_workload
+
+    turns: list[dict[str, Any]] = []
+    for wl_name in args.workloads:
+        workload = load_workload(wl_name, args.data)
+        for sess in workload.sessions(args.limit, args.turns):
+            ref = SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}")
+            last: str | None = None
+            turn = 0
+            while (req := sess.next_request(last)) is not None:
+                turn += 1
+                out = rt.chat(
+                    req.messages, req.tools, session=ref, stop=req.stop,
+                    max_tokens=min(req.max_tokens, args.max_tokens),
+                    assistant_prefix=getattr(req, "prefix", ""),  # opens the answer
+                )
+                turns.append({
+                    "workload": wl_name, "session_id": ref.session_id, "turn": turn,
+                    "prompt_tokens": out.prompt_tokens, "tokens": out.tokens,
+                    "seconds": out.stats.total_s, "forwards": out.stats.forwards,
+                    "accepted_histogram": out.stats.accepted_histogram(),
+                    "finish_reason": out.finish_reason,
+                })
+                last = out.text
+    return turns
 
 
 def _run_isolated(name: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -115,7 +143,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         tokens = sum(len(t["tokens"]) for t in run["turns"])
         seconds = sum(t["seconds"] for t in run["turns"])
-        forwards = sum(t["forwards"] for t in run["turns"])
+        forwards = sum(t.get("forwards", 0) for t in run["turns"])  # unknown when concurrent
         same = [ref_tokens.get((t["workload"], t["session_id"], t["turn"])) == t["tokens"]
                 for t in run["turns"]]
         rows.append({
@@ -125,6 +153,9 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "mean_accepted_len": round(tokens / forwards, 3) if forwards else 0.0,
             "start_s": run["start_s"], "load_avg": run.get("load_avg_1m_after"),
             "identical": bool(reference) and bool(same) and all(same),
+            "concurrency": run.get("concurrency", 1),
+            "step_ms_p50": run.get("step_ms_p50"),
+            "proposer_ms_per_step": (run.get("proposer") or {}).get("propose_ms_per_step"),
         })
     base = next((r["tokens_per_s"] for r in rows if r["config"] == REFERENCE), 0.0)
     for row in rows:
@@ -156,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=3, help="turns per session")
     p.add_argument("--max-tokens", type=int, default=160, help="cap on each turn's budget")
     p.add_argument("--max-draft", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="agent sessions in flight at once (each session's turns stay in "
+                        "order); > 1 reports engine step and proposer milliseconds")
     p.add_argument("--model", default=None, help="embedded model (default) or a folder")
     p.add_argument("--data", default=None, help="workload data folder")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

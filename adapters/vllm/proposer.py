@@ -22,7 +22,9 @@ output, and a history index per session over every earlier turn, prompt and outp
 
 Sessions. The proposer reads the row's vLLM request id from the model runner's input batch
 (the object that built it; see :func:`_find_runner`) and decodes the session from it
-(:mod:`adapters.vllm.request_ids`). A request that leaves the batch is finished: its tokens
+(:mod:`adapters.vllm.request_ids`). Each tracked request has its own request index, keyed by
+its vLLM request id (``DraftContext.request_id``), so two in-flight requests of one session
+never rebuild or drop each other's state. A request that leaves the batch is finished: its tokens
 join its session's history (a request vLLM preempts leaves the batch too: its tokens so
 far join the history, and it resumes with a fresh request index; drafting stays
 correct, the history holds that prefix twice). Requests without a session draft from
@@ -35,17 +37,22 @@ Settings come from the environment, which vLLM passes on to its worker processes
 this is not sent, so the step costs no verification work; default 0) and
 ``AGENTSPEC_VLLM_STORE`` (a SQLite session store to persist and reload turns; default none)
 and ``AGENTSPEC_VLLM_PAYOFF=cost_aware`` (the learned payoff predictor cuts each draft to
-its predicted useful length, or withholds it; see :mod:`adapters.vllm.payoff_gate`).
+its predicted useful length, or withholds it; see :mod:`adapters.vllm.payoff_gate`) and
+``AGENTSPEC_VLLM_STATS`` (a JSON file the proposer's counters, ``propose_ms_per_step``
+included, are written to every 64 steps: how a benchmark reads them from vLLM's worker).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from adapters.vllm.payoff_gate import PayoffGate
@@ -61,6 +68,8 @@ log = logging.getLogger(__name__)
 ENV_SCOPE = "AGENTSPEC_VLLM_SCOPE"
 ENV_MIN_SCORE = "AGENTSPEC_VLLM_MIN_SCORE"
 ENV_STORE = "AGENTSPEC_VLLM_STORE"
+ENV_STATS = "AGENTSPEC_VLLM_STATS"
+_DUMP_EVERY = 64  # propose calls between stats dumps
 _ANON_TENANT = "vllm-anonymous"  # request-only scope of requests without a session
 
 
@@ -72,6 +81,7 @@ class _Live:
     anonymous: bool
     tokens: list[int]
     prompt_len: int
+    rid: str  # unique per tracked request: the drafter keys its request index by it
     step: int = 0
     last_draft: int = 0  # tokens proposed at the previous step
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=8))
@@ -89,9 +99,13 @@ class ProposerStats:
         accepted: Draft tokens vLLM accepted (from the next step's sampled tokens).
         finished: Requests whose tokens joined a session history.
         sessions: Distinct sessions seen.
+        propose_s: Seconds spent inside ``propose`` (all rows of all steps).
+        max_rows: Most rows drafted for in one step (the batch's concurrency).
     """
 
     calls: int = 0
+    propose_s: float = 0.0
+    max_rows: int = 0
     drafts: int = 0
     draft_tokens: int = 0
     gated: int = 0
@@ -120,7 +134,7 @@ def _find_runner(max_depth: int = 8) -> Any | None:
 
 def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
     """The drafter settings and payoff-gate threshold from the environment."""
-    scope = os.environ.get(ENV_SCOPE, "session")
+    scope = os.environ.get(ENV_SCOPE, SuffixConfig.scope)
     raw = os.environ.get(ENV_MIN_SCORE, "0")
     try:
         min_score = float(raw)
@@ -164,8 +178,11 @@ class AgentSpecProposer:
         if self.runner is None:
             log.warning("agentspec proposer: no model runner found; drafting without sessions")
         self.stats = ProposerStats()
+        raw = os.environ.get(ENV_STATS)
+        self.stats_path = Path(raw) if raw else None
         self._live: dict[str, _Live] = {}
         self._anon = 0
+        self._serial = 0  # distinguishes a vLLM request id reused after it finished
 
     # ------------------------------------------------------------------ vLLM interface
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -191,6 +208,16 @@ class AgentSpecProposer:
         Returns:
             One draft (list of token ids, possibly empty) per row.
         """
+        t0 = time.perf_counter()
+        drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self.stats.propose_s += time.perf_counter() - t0
+        self.stats.max_rows = max(self.stats.max_rows, len(sampled_token_ids))
+        if self.stats_path is not None and self.stats.calls % _DUMP_EVERY == 0:
+            self.dump_stats()
+        return drafts
+
+    def _propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: Any,
+                 token_ids_cpu: Any) -> list[list[int]]:
         self.stats.calls += 1
         req_ids = self._req_ids(len(sampled_token_ids))
         self._finish_departed(set(req_ids))
@@ -207,7 +234,7 @@ class AgentSpecProposer:
                 accepted = min(len(sampled) - 1, live.last_draft)
                 live.recent.append((live.last_draft, accepted))
                 self.stats.accepted += accepted
-            ctx = DraftContext(live.tokens, live.prompt_len, live.ref, live.step)
+            ctx = DraftContext(live.tokens, live.prompt_len, live.ref, live.step, live.rid)
             live.step += 1
             draft = self.drafter.propose(ctx, limit)
             tokens = [int(t) for t in draft.tokens[:limit]]
@@ -230,6 +257,25 @@ class AgentSpecProposer:
     def finish_all(self) -> None:
         """Finish every tracked request (adds them to their sessions' histories)."""
         self._finish_departed(set())
+        if self.stats_path is not None:
+            self.dump_stats()
+
+    def stats_dict(self) -> dict[str, Any]:
+        """The counters as JSON-able values (``propose_ms_per_step`` included)."""
+        st = self.stats
+        out = {k: v for k, v in vars(st).items() if k != "sessions"}
+        out["sessions"] = len(st.sessions)
+        out["propose_ms_per_step"] = 1e3 * st.propose_s / st.calls if st.calls else 0.0
+        return out
+
+    def dump_stats(self) -> None:
+        """Write :meth:`stats_dict` to ``AGENTSPEC_VLLM_STATS`` (the proposer lives in
+        vLLM's worker process: a benchmark reads its numbers from this file)."""
+        if self.stats_path is None:
+            return
+        tmp = self.stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats_dict()))
+        tmp.replace(self.stats_path)
 
     def _req_ids(self, rows: int) -> list[str]:
         """The request id of each row (``row<i>`` when no runner is known)."""
@@ -269,8 +315,9 @@ class AgentSpecProposer:
                 ref = SessionRef(f"request-{self._anon}", tenant=_ANON_TENANT)
             else:
                 self.stats.sessions.add(f"{ref.tenant}/{ref.agent}/{ref.session_id}")
+            self._serial += 1
             live = _Live(ref, anonymous, [int(t) for t in row[:n]],
-                         self._prompt_len(index, n, sampled))
+                         self._prompt_len(index, n, sampled), f"{rid}#{self._serial}")
             self._live[rid] = live
         elif n > len(live.tokens):
             # Extend in place: the drafter sees the same list object and checks only the seam.
@@ -286,7 +333,10 @@ class AgentSpecProposer:
         """Add a request to its session history (or drop a session-less request's index)."""
         live = self._live.pop(rid)
         if live.anonymous:
+            self.drafter.stop_request(DraftContext(live.tokens, live.prompt_len, live.ref,
+                                                   live.step, live.rid))
             self.drafter.forget(live.ref)
             return
-        self.drafter.finish(DraftContext(live.tokens, live.prompt_len, live.ref, live.step))
+        self.drafter.finish(DraftContext(live.tokens, live.prompt_len, live.ref, live.step,
+                                         live.rid))
         self.stats.finished += 1

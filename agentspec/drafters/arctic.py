@@ -15,6 +15,7 @@ tenant all sessions share it, as in a vLLM deployment.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +63,48 @@ def _new_cache(cfg: ArcticConfig) -> Any:
     return SuffixDecodingCache(cfg.max_tree_depth, cfg.max_cached_requests)
 
 
+class _Live:
+    """One request in arctic's cache, driven as vLLM drives it: the committed tokens live
+    in a growing int32 buffer and arctic reads a view of its tail (no per-step copies)."""
+
+    __slots__ = ("added", "buf", "cache", "n", "rid")
+
+    def __init__(self, cache: Any, rid: int, tokens: Sequence[int], prompt_len: int) -> None:
+        import numpy as np
+
+        self.cache, self.rid = cache, rid
+        self.buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int32)
+        self.buf[: len(tokens)] = tokens
+        self.n = len(tokens)
+        self.added = 0  # response tokens handed to arctic (its global tree holds them)
+        cache.start_request(rid, self.buf[:prompt_len])
+        if self.n > prompt_len:  # a request resumed mid-output
+            cache.add_active_response(rid, self.buf[prompt_len : self.n])
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Committed tokens: appended to the buffer, handed to arctic incrementally."""
+        import numpy as np
+
+        k = len(tokens)
+        if not k:
+            return
+        if self.n + k > len(self.buf):
+            grown = np.empty(2 * (self.n + k), dtype=np.int32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : self.n + k] = tokens
+        self.cache.add_active_response(self.rid, self.buf[self.n : self.n + k])
+        self.n += k
+        self.added += k
+
+
 class ArcticSuffixDrafter:
-    """Drafts with arctic-inference's SuffixDecoding cache (a peer for benchmarks)."""
+    """Drafts with arctic-inference's SuffixDecoding cache (a peer for benchmarks).
+
+    Requests are keyed by ``DraftContext.request_id`` (by session when it is ``None``);
+    each step hands arctic only the newly committed tokens and a view of the context's
+    tail, as vLLM's ``suffix_decoding.py`` proposer does, so its per-step cost is arctic's.
+    """
 
     name = "arctic_suffix"
 
@@ -71,7 +112,8 @@ class ArcticSuffixDrafter:
         self.config = config or ArcticConfig()
         self._caches: dict[str, Any] = {}
         self._ids = itertools.count()
-        self._active: tuple[Any, int, int] | None = None  # (cache, request id, tokens seen)
+        self._live: dict[Hashable, _Live] = {}
+        self.cached_tokens = 0  # response tokens of finished requests in the global trees
 
     def _cache(self, ctx: DraftContext) -> Any:
         tenant = ctx.session.tenant if ctx.session is not None else "default"
@@ -79,44 +121,52 @@ class ArcticSuffixDrafter:
             self._caches[tenant] = _new_cache(self.config)
         return self._caches[tenant]
 
-    def _start(self, ctx: DraftContext) -> tuple[Any, int, int]:
-        if self._active is not None:
-            cache, rid, _ = self._active
-            cache.stop_request(rid)
-        cache = self._cache(ctx)
-        rid = next(self._ids)
-        cache.start_request(rid, list(ctx.tokens[: ctx.prompt_len]))
-        self._active = (cache, rid, ctx.prompt_len)
-        return self._active
+    def _sync(self, ctx: DraftContext) -> _Live:
+        key = _key(ctx)
+        live = self._live.get(key)
+        if live is None or len(ctx.tokens) < live.n or (ctx.request_id is None
+                                                         and ctx.step == 0):
+            if live is not None:
+                live.cache.stop_request(live.rid)
+            live = self._live[key] = _Live(self._cache(ctx), next(self._ids), ctx.tokens,
+                                           ctx.prompt_len)
+        if live.n < len(ctx.tokens):  # tokens committed without an observe call
+            live.add(ctx.tokens[live.n :])
+        return live
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Speculate from the request's prompt tree and the tenant's global tree."""
-        active = self._active
-        if ctx.step == 0 or active is None or active[2] > len(ctx.tokens):
-            active = self._start(ctx)
-        cache, rid, seen = active
-        if seen < len(ctx.tokens):  # committed tokens arctic has not seen yet
-            cache.add_active_response(rid, list(ctx.tokens[seen:]))
-            self._active = (cache, rid, len(ctx.tokens))
+        live = self._sync(ctx)
         cfg = self.config
-        context = list(ctx.tokens[-cfg.max_tree_depth :])
-        d = cache.speculate(
-            rid, context, max_spec_tokens=min(cfg.max_tokens, max_tokens),
+        d = live.cache.speculate(
+            live.rid, live.buf[max(0, live.n - cfg.max_tree_depth) : live.n],
+            max_spec_tokens=min(cfg.max_tokens, max_tokens),
             max_spec_factor=cfg.max_spec_factor, max_spec_offset=cfg.max_spec_offset,
             min_token_prob=cfg.min_token_prob, use_tree_spec=False,
         )
-        return Draft(tokens=[int(t) for t in d.token_ids], score=float(d.score),
+        return Draft(tokens=list(d.token_ids), score=float(d.score),
                      match_len=int(d.match_len), source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
-        """Committed tokens are handed to arctic lazily, at the next propose."""
+        """Hand the committed tokens to arctic (the request's tree and the global tree)."""
+        live = self._live.get(_key(ctx))
+        if live is not None and live.n == len(ctx.tokens):
+            live.add(result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
         """Add the rest of the output and move the request into the global tree."""
-        if self._active is None:
+        live = self._live.pop(_key(ctx), None)
+        if live is None:
             return
-        cache, rid, seen = self._active
-        if seen < len(ctx.tokens):
-            cache.add_active_response(rid, list(ctx.tokens[seen:]))
-        cache.stop_request(rid)
-        self._active = None
+        if live.n < len(ctx.tokens):
+            live.add(ctx.tokens[live.n :])
+        live.cache.stop_request(live.rid)
+        self.cached_tokens += live.added
+
+    def memory_bytes(self) -> int:
+        """arctic's estimate of its global trees (per-request trees are not exposed)."""
+        return sum(int(c._global_tree.estimate_memory()) for c in self._caches.values())
+
+
+def _key(ctx: DraftContext) -> Hashable:
+    return ("id", ctx.request_id) if ctx.request_id is not None else ("session", ctx.session)

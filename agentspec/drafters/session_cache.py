@@ -1,199 +1,89 @@
-"""SuffixDecoding as a drafter: a per-request suffix index plus a history index per scope.
+"""SuffixDecoding as a drafter: a request index plus a hierarchy of history indexes.
 
-Each decode step consults two :class:`~agentspec.drafters.suffix_tree.SuffixIndex` es:
+Each decode step drafts from every index the request may see and keeps the draft with the
+highest score (its expected accepted length: the sum of the draft tokens' path
+probabilities; ties go to the narrower index):
 
-* the **request index** over the current prompt and the tokens generated so far, built when
-  a request starts (``ctx.step == 0`` or a context that no longer extends the indexed one)
-  and extended in :meth:`SuffixDrafter.observe`;
-* the **history index** of the request's scope over every token (prompt + output) of the
-  scope's earlier requests, extended in :meth:`SuffixDrafter.finish`.
+* the **request** index over the current prompt and the tokens generated so far, created
+  when a request starts and extended in :meth:`SuffixDrafter.observe`;
+* the **session** index over the session's earlier turns;
+* the **agent** index over every session of the request's agent (same tenant);
+* the **tenant** index over every session of the tenant.
 
-The draft with the higher score wins (tie: the longer match, then the request index).
+``SuffixConfig.scope`` is the widest level a request reads (``"session"``: request and
+session; ``"agent"``: + agent; ``"tenant"``: all four). Whatever the scope, every key holds
+the tenant, so a tenant's tokens are never drafted for another tenant. Requests without a
+:class:`~agentspec.types.SessionRef` use the request index only. When two levels hold the
+same turns (a tenant with one agent) only the narrower one is searched.
 
-Isolation: the scope key always contains the tenant, so a tenant's tokens are never drafted
-for another tenant, and under ``scope="session"`` one session's tokens never for another
-session. Requests without a :class:`~agentspec.types.SessionRef` use the request index only.
+A finished turn adds to the history only what the session's previous turn did not already
+hold (agents resend the conversation: the new tool results and the new answer), plus
+``max_depth`` tokens before them so their start is matched in context.
+
+Requests are keyed by ``DraftContext.request_id`` when the caller sets one (the engine,
+vLLM): concurrent requests of one session keep separate indexes. Without an id the
+request is keyed by its session and a new one is recognised from ``step == 0`` or a
+context that no longer extends the indexed one (the pre-lifecycle behaviour).
 
 Persistence: with a ``store`` (see :class:`TurnStore`), finished turns are written with
-``store.append_turn`` and a session's stored turns are loaded into its scope's history the
-first time this process sees that session. Under agent / tenant scope, sessions this process
-never sees are not loaded (the store is only read per session).
+``store.append_turn`` and a session's stored turns are loaded into its indexes the first
+time this process sees that session. Sessions this process never sees are not loaded into
+the agent / tenant indexes (the store is only read per session).
+
+The indexes live in arctic-inference's C++ suffix tree when it is installed and in the
+pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix_backends`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-from array import array
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any
 
-from agentspec.drafters.suffix_tree import SuffixIndex
-from agentspec.errors import AgentSpecError, ConfigError
+from agentspec.drafters.cache_levels import (
+    SCOPES,
+    Calibration,
+    Pool,
+    Request,
+    novel_start,
+    request_key,
+    scope_key,
+    visible_keys,
+)
+from agentspec.drafters.suffix_backends import (
+    Speculation,
+    new_tree,
+    resolve_backend,
+)
+from agentspec.drafters.suffix_config import SuffixConfig, TurnStore
+from agentspec.errors import AgentSpecError
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+
+__all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "novel_start", "scope_key",
+           "visible_keys"]
 
 log = logging.getLogger(__name__)
 
-SCOPES = ("session", "agent", "tenant")
-_MAX_REQUESTS = 64  # live request indexes kept (requests that never call finish() age out)
-
-
-class TurnStore(Protocol):
-    """Persistent storage of finished turns (implemented by ``agentspec.store``)."""
-
-    def load(self, ref: SessionRef) -> list[list[int]]:
-        """Token ids of every stored turn of ``ref``'s session, oldest first."""
-        ...
-
-    def append_turn(self, ref: SessionRef, tokens: list[int]) -> None:
-        """Persist one finished turn (prompt + output) of ``ref``'s session."""
-        ...
-
-
-@dataclass(frozen=True)
-class SuffixConfig:
-    """Settings of :class:`SuffixDrafter`.
-
-    Attributes:
-        max_depth: Longest context suffix matched against an index.
-        max_spec_factor: Draft length cap per matched token. Agent outputs copy long spans
-            (documents, tool results), so a long match earns a longer draft than in chat.
-        max_spec_offset: Tokens added to the cap, so short but confident matches still draft.
-        min_token_prob: A draft stops when its path probability falls below this.
-        max_tokens: Most tokens per draft (the engine may ask for fewer).
-        scope: Who shares a history index: ``"session"`` (tenant + session id),
-            ``"agent"`` (tenant + agent) or ``"tenant"``.
-        max_scope_tokens: Tokens kept per history index. When exceeded, the oldest turns are
-            dropped down to 3/4 of this and the index is rebuilt (amortised O(1) per token).
-        max_scopes: History indexes kept in memory (when full, the least recently used
-            index of the tenant holding the most is dropped; it is reloaded from the
-            store, if any, when needed again).
-        use_request_index: Consult the per-request index.
-        use_history: Consult (and fill) the history indexes.
-        tree: Draft a small token tree (the most probable continuations, best first, at
-            most ``max_tokens`` nodes) instead of one chain; the engine verifies its
-            branches in one batched forward (greedy requests only).
-    """
-
-    max_depth: int = 64
-    max_spec_factor: float = 2.0
-    max_spec_offset: float = 8.0
-    min_token_prob: float = 0.1
-    max_tokens: int = 32
-    scope: str = "session"
-    max_scope_tokens: int = 262_144
-    max_scopes: int = 256
-    use_request_index: bool = True
-    use_history: bool = True
-    tree: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (math.isfinite(self.max_spec_factor) and self.max_spec_factor >= 0):
-            raise ConfigError(f"max_spec_factor must be >= 0, got {self.max_spec_factor!r}")
-        if not math.isfinite(self.max_spec_offset):
-            raise ConfigError(f"max_spec_offset must be finite, got {self.max_spec_offset!r}")
-        if not 0.0 <= self.min_token_prob <= 1.0:
-            raise ConfigError(f"min_token_prob must be in [0, 1], got {self.min_token_prob!r}")
-        if self.scope not in SCOPES:
-            raise ConfigError(f"scope must be one of {SCOPES}, got {self.scope!r}")
-
-
-def scope_key(ref: SessionRef, scope: str) -> tuple[str, ...]:
-    """The history index a session reads and writes; the tenant is always part of it."""
-    if scope == "session":
-        return ("session", ref.tenant, ref.session_id)
-    if scope == "agent":
-        return ("agent", ref.tenant, ref.agent)
-    return ("tenant", ref.tenant)
-
-
-class _Request:
-    """The request index and a mirror of the tokens it holds (to detect a new request)."""
-
-    def __init__(self, tokens: Sequence[int], prompt_len: int, cfg: SuffixConfig) -> None:
-        self.index = SuffixIndex(cfg.max_depth, cfg.max_tokens)
-        self.tokens: list[int] = [int(t) for t in tokens]
-        self.ref: Sequence[int] = tokens  # the caller's object: unchanged identity = same request
-        self.prompt_len = prompt_len
-        self.index.append(0, self.tokens)
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Index committed tokens of this request."""
-        new = [int(t) for t in tokens]
-        self.tokens.extend(new)
-        self.index.append(0, new)
-
-    def continues(self, ctx: DraftContext) -> bool:
-        """True when ``ctx.tokens`` starts with every token indexed so far."""
-        toks, n = ctx.tokens, len(self.tokens)
-        if ctx.prompt_len != self.prompt_len or len(toks) < n:
-            return False
-        if toks is self.ref:  # the engine's own list, grown in place: check the seam only
-            return n == 0 or toks[n - 1] == self.tokens[-1]
-        if [int(t) for t in toks[:n]] != self.tokens:
-            return False
-        self.ref = toks
-        return True
-
-
-class _Scope:
-    """A history index plus the turns it holds (kept to rebuild it after eviction)."""
-
-    def __init__(self, cfg: SuffixConfig) -> None:
-        self.cfg = cfg
-        self.index = SuffixIndex(cfg.max_depth, cfg.max_tokens)
-        self.turns: deque[tuple[str, array[int]]] = deque()  # (session id, tokens)
-        self.tokens = 0
-        self.sessions: set[str] = set()  # sessions whose stored turns are loaded
-        self._next_seq = 0
-
-    def add_turn(self, session_id: str, tokens: Sequence[int]) -> None:
-        """Index one finished turn (its last ``max_scope_tokens`` tokens at most)."""
-        turn = array("i", tokens[-self.cfg.max_scope_tokens :])
-        self.turns.append((session_id, turn))
-        self.tokens += len(turn)
-        if self.tokens > self.cfg.max_scope_tokens:
-            # Drop to 3/4 of the budget so the O(budget) rebuild happens at most once per
-            # budget/4 new tokens: amortised, each token is indexed at most ~4 extra times.
-            while self.tokens > 3 * self.cfg.max_scope_tokens // 4 and len(self.turns) > 1:
-                self.tokens -= len(self.turns.popleft()[1])
-            self.rebuild()
-        else:
-            self.index.append(self._next_seq, turn)
-            self._next_seq += 1
-
-    def drop_session(self, session_id: str) -> None:
-        """Remove every turn of one session (the automaton cannot delete: rebuild)."""
-        self.turns = deque(t for t in self.turns if t[0] != session_id)
-        self.tokens = sum(len(t[1]) for t in self.turns)
-        self.sessions.discard(session_id)
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """Re-index the retained turns from scratch."""
-        self.index = SuffixIndex(self.cfg.max_depth, self.cfg.max_tokens)
-        for i, (_, turn) in enumerate(self.turns):
-            self.index.append(i, turn)
-        self._next_seq = len(self.turns)
+_MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
+# Finished request indexes kept for their session's next request, in tokens (~150 MB with
+# the C++ tree at ~290 bytes per token), and latest turns kept to find a turn's new tokens
+# (8 bytes per token: the token objects are shared with the caller's lists).
+_CARRY_TOKENS = 1 << 19
+_LAST_TURN_TOKENS = 1 << 22
 
 
 class SuffixDrafter:
-    """SuffixDecoding drafter with session-scoped history (see the module docstring).
+    """SuffixDecoding drafter over a request index and a scope hierarchy (module docstring).
 
     Args:
         config: Settings; defaults suit agent workloads.
         store: Optional persistent turn store (``load`` / ``append_turn``).
 
     Attributes:
-        last_origin: Which index produced the latest draft: ``"request"``, ``"history"``
-            or ``"none"``.
+        last_origin: Which index produced the latest draft: ``"request"``, ``"session"``,
+            ``"agent"``, ``"tenant"`` or ``"none"``.
     """
 
     name = "suffix"
@@ -201,11 +91,34 @@ class SuffixDrafter:
     def __init__(self, config: SuffixConfig | None = None, store: TurnStore | None = None) -> None:
         self.config = config or SuffixConfig()
         self.store = store
+        self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
         self.store_errors = 0
-        self._requests: OrderedDict[SessionRef | None, _Request] = OrderedDict()
-        self._scopes: OrderedDict[tuple[str, ...], _Scope] = OrderedDict()
+        self.requests_started = 0  # request indexes built or carried (lifecycle starts)
+        self._requests: OrderedDict[Hashable, Request] = OrderedDict()
+        self._pools: OrderedDict[tuple[str, ...], Pool] = OrderedDict()
+        # Per (tenant, session): the tokens of its latest finished turn and, while the next
+        # request has not started, that turn's request index (agents resend the
+        # conversation, so the next prompt usually extends it: the index is carried over
+        # and extended instead of rebuilt from a 30k-token prompt).
+        self._last_turn: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._carry: OrderedDict[tuple[str, str], Request] = OrderedDict()
+        self._carry_tokens = 0
+        self._last_turn_tokens = 0
+        self._calib: dict[str, Calibration] = {}
+        self._seq = 0
         self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- request lifecycle
+    def start_request(self, ctx: DraftContext) -> None:
+        """Begin a request: index ``ctx.tokens`` (replaces a live request of the same key)."""
+        with self._lock:
+            self._start(ctx)
+
+    def stop_request(self, ctx: DraftContext) -> None:
+        """End a request without adding it to any history (aborted, or not worth keeping)."""
+        with self._lock:
+            self._requests.pop(request_key(ctx), None)
 
     # ----------------------------------------------------------------- Drafter protocol
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -216,53 +129,88 @@ class SuffixDrafter:
             return Draft(source=self.name)
         toks = ctx.tokens[-cfg.max_depth :]
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
-        args = (limit, cfg.max_depth, cfg.max_spec_factor, cfg.max_spec_offset,
-                cfg.min_token_prob)
-        best: tuple[list[int], int, float, list[int] | None] = ([], 0, 0.0, None)
-        origin = "none"
+        args = (limit, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, cfg.tree)
+        cands: list[tuple[str, Speculation]] = []  # non-empty drafts, narrowest index first
+        req: Request | None = None
         with self._lock:
             if cfg.use_request_index:
-                best = self._speculate(self._request(ctx).index, window, args)
-                origin = "request" if best[0] else "none"
+                req = self._sync(ctx)
+                spec = req.tree.speculate(window, *args)
+                if spec[0]:
+                    cands.append(("request", spec))
             if cfg.use_history and ctx.session is not None:
-                hist = self._speculate(self._scope(ctx.session).index, window, args)
-                if hist[0] and (hist[2], hist[1]) > (best[2], best[1]):
-                    best, origin = hist, "history"
+                pools = req.pools if req is not None else self._visible(ctx.session, False)
+                seen = -1
+                for level, pool in pools:
+                    if len(pool.turns) == seen:
+                        continue  # same turns as the narrower level (nested): same draft
+                    seen = len(pool.turns)
+                    if not seen:
+                        continue
+                    spec = pool.tree.speculate(window, *args)
+                    if spec[0]:
+                        cands.append((level, spec))
+                if cfg.use_outputs and req is not None and req.out is not None:
+                    spec = req.out[0].tree.speculate(window, *args)
+                    if spec[0]:
+                        cands.append(("outputs", spec))
+            best: Speculation = ([], 0, 0.0, None)
+            origin = "none"
+            if len(cands) == 1:
+                origin, best = cands[0]
+            elif cands:
+                calib, value = self._calibration(ctx), 0.0
+                for level, spec in cands:
+                    # The expected accepted length: the index's own estimate (its score),
+                    # scaled by how that level's estimates have turned out for this tenant.
+                    v = spec[2] * calib.ratio(level, spec[1])
+                    if v > value:
+                        best, origin, value = spec, level, v
+                if req is not None and cfg.calibrate:
+                    req.cands = cands
         self.last_origin = origin
-        return Draft(tokens=best[0], parents=best[3], score=best[2], match_len=best[1],
-                     source=self.name)
-
-    def _speculate(
-        self, index: SuffixIndex, window: list[int], args: tuple[int, int, float, float, float]
-    ) -> tuple[list[int], int, float, list[int] | None]:
-        """One index's draft: ``(tokens, match length, score, parents or None)``."""
-        if not self.config.tree:
-            toks, ell, score = index.speculate(window, *args)
-            return toks, ell, score, None
-        tree = index.speculate_tree(window, *args)
-        return tree.tokens, tree.match_len, tree.score, tree.parents
+        # Both backends return fresh lists: no copy needed.
+        return Draft(tokens=best[0], parents=best[3] or None, score=best[2],
+                     match_len=best[1], source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
-        """Append the committed tokens to the request index (checked again at ``propose``)."""
+        """Append the committed tokens to the request index."""
         if not self.config.use_request_index:
             return
         with self._lock:
-            req = self._requests.get(ctx.session)
+            req = self._requests.get(request_key(ctx))
             # Only extend the index of this very request, and only when it is in sync.
-            if req is not None and len(req.tokens) == len(ctx.tokens) and req.continues(ctx):
+            if req is not None and req.n == len(ctx.tokens):
+                if req.cands:
+                    self._calibration(ctx).learn(req.cands, result.tokens)
+                    req.cands = []
                 req.extend(result.tokens)
+                if req.out is not None:
+                    pool, seq = req.out
+                    pool.tree.extend(seq, result.tokens)
+                    pool.tokens += len(result.tokens)
+                    req.out_n += len(result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
-        """Drop the request index; add the whole request to its scope's history (and store)."""
+        """End the request; add its new tokens to the history indexes (and the store)."""
         with self._lock:
-            self._requests.pop(ctx.session, None)
+            req = self._requests.pop(request_key(ctx), None)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
+            if req is not None and req.n < len(tokens):
+                req.extend(tokens[req.n :])
+            if req is not None:
+                self._close_outputs(req, ctx.session.session_id)
             if self.config.use_history:
-                # _scope() loads the session's stored turns first, so this turn is not
-                # counted twice when it is also written to the store below.
-                self._scope(ctx.session).add_turn(ctx.session.session_id, tokens)
+                # Stored turns are loaded first, so this one is not counted twice when it
+                # is also written to the store below.
+                pools = [p for _, p in self._pools_for(ctx.session)]
+                skey = (ctx.session.tenant, ctx.session.session_id)
+                new = self._novel(self._last_turn.get(skey, []), tokens)
+                for pool in pools:
+                    self._index_new(pool, ctx.session.session_id, new)
+            self._remember(ctx.session, tokens, req)
             if self.store is not None:
                 try:
                     self.store.append_turn(ctx.session, tokens)
@@ -274,85 +222,209 @@ class SuffixDrafter:
 
     # ----------------------------------------------------------------- management
     def forget(self, ref: SessionRef) -> None:
-        """Remove a session's tokens from memory (request and history indexes).
+        """Remove a session's tokens from memory (its requests and every history index).
 
         The store, if any, is not touched; delete the session there as well.
         """
         with self._lock:
-            self._requests.pop(ref, None)
-            key = scope_key(ref, self.config.scope)
-            scope = self._scopes.get(key)
-            if scope is None:
-                return
-            if self.config.scope == "session":
-                del self._scopes[key]
-            else:
-                scope.drop_session(ref.session_id)
+            for key in [k for k, r in self._requests.items() if r.session == ref]:
+                del self._requests[key]
+            old = self._last_turn.pop((ref.tenant, ref.session_id), None)
+            self._last_turn_tokens -= len(old) if old is not None else 0
+            gone = self._carry.pop((ref.tenant, ref.session_id), None)
+            self._carry_tokens -= gone.n if gone is not None else 0
+            for key in visible_keys(ref, "tenant"):
+                pool = self._pools.get(key)
+                if pool is None:
+                    continue
+                if key[0] == "session":
+                    del self._pools[key]
+                else:
+                    pool.drop_session(ref.session_id)
 
     def stats(self) -> dict[str, Any]:
-        """Cached tokens per scope, index count and an estimate of the memory held."""
+        """Cached tokens per index, index count and the memory held."""
         with self._lock:
-            scopes = {
-                "/".join(key): {
-                    "tokens": s.tokens,
-                    "turns": len(s.turns),
-                    "states": s.index.num_states,
-                    "memory_bytes": s.index.memory_bytes() + 4 * s.tokens,
-                }
-                for key, s in self._scopes.items()
+            pools = {
+                "/".join(key): {"tokens": p.tokens, "turns": len(p.turns),
+                                "memory_bytes": p.tree.memory_bytes()}
+                for key, p in self._pools.items()
             }
-            req_mem = sum(r.index.memory_bytes() + 8 * len(r.tokens)
-                          for r in self._requests.values())
+            req_mem = sum(r.tree.memory_bytes() for r in self._requests.values())
+            req_tokens = sum(r.n for r in self._requests.values())
+            cached = sum(p.tokens for k, p in self._pools.items() if k[0] == "session")
+            memory = req_mem + sum(p["memory_bytes"] for p in pools.values())
+            indexed = req_tokens + sum(p.tokens for p in self._pools.values())
             return {
                 "scope": self.config.scope,
-                "scopes": scopes,
-                "indexes": len(self._scopes) + len(self._requests),
+                "backend": self.backend,
+                "scopes": pools,
+                "indexes": len(self._pools) + len(self._requests),
                 "active_requests": len(self._requests),
-                "cached_tokens": sum(s.tokens for s in self._scopes.values()),
-                "memory_bytes": req_mem + sum(s["memory_bytes"] for s in scopes.values()),
+                "cached_tokens": cached,
+                "memory_bytes": memory,
+                "bytes_per_indexed_token": memory / indexed if indexed else 0.0,
             }
 
     # ----------------------------------------------------------------- internals
-    def _request(self, ctx: DraftContext) -> _Request:
-        """The request index of ``ctx``, synced to ``ctx.tokens`` (rebuilt for a new one)."""
-        req = self._requests.get(ctx.session)
-        if req is None or ctx.step == 0 or not req.continues(ctx):
-            req = _Request(ctx.tokens, ctx.prompt_len, self.config)
-            self._requests[ctx.session] = req
-            while len(self._requests) > _MAX_REQUESTS:
-                self._requests.popitem(last=False)
-        elif len(ctx.tokens) > len(req.tokens):
-            req.extend(ctx.tokens[len(req.tokens) :])
-        self._requests.move_to_end(ctx.session)
+    def _start(self, ctx: DraftContext) -> Request:
+        cfg = self.config
+        self.requests_started += 1
+        req = self._carried(ctx) or Request(
+            ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+        self._attach_outputs(ctx, req)
+        if ctx.session is not None and cfg.use_history:
+            req.pools = self._visible(ctx.session, req.carried)
+        key = request_key(ctx)
+        self._requests[key] = req
+        self._requests.move_to_end(key)
+        while len(self._requests) > _MAX_REQUESTS:
+            self._requests.popitem(last=False)
         return req
 
-    def _evict_scope(self, keep: tuple[str, ...]) -> None:
+    def _attach_outputs(self, ctx: DraftContext, req: Request) -> None:
+        """Give a new request a sequence in its scope's outputs index (the answers alone,
+        as arctic's global tree: what the model writes, not what tools return)."""
+        cfg = self.config
+        if not (cfg.use_outputs and cfg.use_history and ctx.session is not None):
+            return
+        key = ("outputs", *scope_key(ctx.session, cfg.scope)[1:])
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
+                                                     cfg.max_tokens))
+        self._seq = (self._seq + 1) & 0x7FFFFFFF
+        req.out, req.out_n = (pool, self._seq), 0
+
+    def _close_outputs(self, req: Request, session_id: str) -> None:
+        """Account a finished request's answer in its outputs index (for eviction)."""
+        if req.out is None:
+            return
+        pool, seq = req.out
+        req.out = None
+        pool.turns.append((session_id, seq, req.out_n))
+        while pool.tokens > self.config.max_scope_tokens and len(pool.turns) > 1:
+            _, sid, n = pool.turns.popleft()
+            pool.tree.remove(sid)
+            pool.tokens -= n
+
+    def _sync(self, ctx: DraftContext) -> Request:
+        """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
+        req = self._requests.get(request_key(ctx))
+        if req is None:
+            return self._start(ctx)
+        if ctx.request_id is None:
+            if ctx.step == 0 or not req.continues(ctx):
+                return self._start(ctx)
+        elif len(ctx.tokens) < req.n:  # a preempted request restarting: rebuild
+            return self._start(ctx)
+        if len(ctx.tokens) > req.n:
+            req.extend(ctx.tokens[req.n :])
+        return req
+
+    def _visible(self, ref: SessionRef, carried: bool) -> list[tuple[str, Pool]]:
+        """The history indexes a request of ``ref`` drafts from. A request whose prompt
+        extends its session's previous turn holds all of that session's history in its
+        own index already, so the session level is left out."""
+        pools = self._pools_for(ref)
+        return pools[1:] if carried else pools
+
+    def _evict_pool(self, keep: set[tuple[str, ...]]) -> None:
         """Drop the least recently used index of the tenant holding the most indexes.
 
         A per-tenant LRU: one tenant opening many sessions evicts its own indexes, not
-        every other tenant's (``key[1]`` is the tenant in every scope key).
+        every other tenant's (``key[1]`` is the tenant in every pool key). Evicted session
+        history is reloaded from the store, if any, when needed again.
         """
         counts: dict[str, int] = {}
-        for key in self._scopes:
+        for key in self._pools:
             counts[key[1]] = counts.get(key[1], 0) + 1
-        heavy = max(counts, key=lambda t: (counts[t], t == keep[1]))
-        victim = next((k for k in self._scopes if k[1] == heavy and k != keep), None)
-        if victim is None:  # only ``keep`` in that tenant: the global LRU end goes
-            victim = next(k for k in self._scopes if k != keep)
-        del self._scopes[victim]
+        heavy = max(counts, key=lambda t: counts[t])
+        victim = next((k for k in self._pools if k[1] == heavy and k not in keep), None)
+        if victim is None:  # only indexes this request reads in that tenant: global LRU end
+            victim = next((k for k in self._pools if k not in keep), next(iter(self._pools)))
+        del self._pools[victim]
 
-    def _scope(self, ref: SessionRef) -> _Scope:
-        """The history index of ``ref``'s scope, loading the session's stored turns once."""
-        key = scope_key(ref, self.config.scope)
-        scope = self._scopes.get(key)
-        if scope is None:
-            scope = self._scopes[key] = _Scope(self.config)
-            while len(self._scopes) > self.config.max_scopes:
-                self._evict_scope(key)
-        self._scopes.move_to_end(key)
-        if ref.session_id not in scope.sessions:
-            scope.sessions.add(ref.session_id)
-            if self.store is not None:
-                for turn in self.store.load(ref):
-                    scope.add_turn(ref.session_id, turn)
-        return scope
+    def _pools_for(self, ref: SessionRef) -> list[tuple[str, Pool]]:
+        """``(level, index)`` of every history ``ref`` may read, narrowest first; the
+        session's stored turns are loaded (one ``store.load``) into those that lack them."""
+        cfg = self.config
+        out: list[tuple[str, Pool]] = []
+        missing: list[Pool] = []
+        for key in visible_keys(ref, cfg.scope):
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
+                                                         cfg.max_tokens))
+            self._pools.move_to_end(key)
+            if ref.session_id not in pool.sessions:
+                pool.sessions.add(ref.session_id)
+                missing.append(pool)
+            out.append((key[0], pool))
+        keep = {key for key in visible_keys(ref, cfg.scope)}
+        while len(self._pools) > cfg.max_scopes:
+            self._evict_pool(keep)
+        if missing and self.store is not None:
+            prev: list[int] = []
+            for turn in self.store.load(ref):
+                cur = [int(t) for t in turn]
+                new = self._novel(prev, cur)
+                for pool in missing:
+                    self._index_new(pool, ref.session_id, new)
+                prev = cur
+            if prev and (ref.tenant, ref.session_id) not in self._last_turn:
+                self._remember(ref, prev, None)
+        return out
+
+    def _calibration(self, ctx: DraftContext) -> Calibration:
+        """The tenant's calibration of each level's scores (kept per tenant: nothing,
+        not even aggregate statistics, crosses tenants)."""
+        tenant = ctx.session.tenant if ctx.session is not None else ""
+        cal = self._calib.get(tenant)
+        if cal is None:
+            cal = self._calib[tenant] = Calibration()
+        return cal
+
+    def _novel(self, prev: Sequence[int], tokens: list[int]) -> list[int]:
+        """What a turn adds to its session's previous one, with ``max_depth`` tokens of
+        left context so its start is matched in context."""
+        start = max(0, novel_start(prev, tokens) - self.config.max_depth)
+        return tokens[start:][-self.config.max_scope_tokens :]
+
+    def _index_new(self, pool: Pool, session_id: str, new: list[int]) -> None:
+        """Add a turn's new tokens to one history index."""
+        if new:
+            self._seq = (self._seq + 1) & 0x7FFFFFFF
+            pool.add(session_id, self._seq, new, self.config.max_scope_tokens)
+
+    def _remember(self, ref: SessionRef, tokens: list[int], req: Request | None) -> None:
+        """Keep a session's latest turn (and its index, to carry into the next request)."""
+        key = (ref.tenant, ref.session_id)
+        old = self._last_turn.pop(key, None)
+        self._last_turn_tokens += len(tokens) - (len(old) if old is not None else 0)
+        self._last_turn[key] = tokens
+        while self._last_turn_tokens > _LAST_TURN_TOKENS and len(self._last_turn) > 1:
+            self._last_turn_tokens -= len(self._last_turn.popitem(last=False)[1])
+        gone = self._carry.pop(key, None)
+        self._carry_tokens -= gone.n if gone is not None else 0
+        if req is not None and req.n == len(tokens):
+            self._carry[key] = req
+            self._carry_tokens += req.n
+            while self._carry_tokens > _CARRY_TOKENS and self._carry:
+                self._carry_tokens -= self._carry.popitem(last=False)[1].n
+
+    def _carried(self, ctx: DraftContext) -> Request | None:
+        """The session's previous request index when ``ctx.tokens`` extends its tokens."""
+        if ctx.session is None:
+            return None
+        key = (ctx.session.tenant, ctx.session.session_id)
+        req = self._carry.pop(key, None)
+        self._carry_tokens -= req.n if req is not None else 0
+        prev = self._last_turn.get(key)
+        if req is None or prev is None or len(ctx.tokens) < len(prev):
+            return None
+        if list(ctx.tokens[: len(prev)]) != prev:
+            return None
+        req.prompt_len, req.ref, req.carried = ctx.prompt_len, ctx.tokens, True
+        req.extend(ctx.tokens[req.n :])
+        return req

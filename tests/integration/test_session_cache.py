@@ -108,10 +108,16 @@ def test_sigkill_mid_turn_keeps_committed_turns_and_drafts(tmp_path: Path) -> No
     again = drafter.propose(DraftContext(probe, len(probe), ref), 16)
     assert again.tokens == lines[-1]["probe"]
     assert again.tokens  # the history does draft something here
-    # Another session, or another tenant, gets nothing from that history.
-    for other in (SessionRef("other", tenant="t1"), SessionRef("killed", tenant="t2")):
-        d = drafter.propose(DraftContext(probe, len(probe), other), 16)
-        assert d.tokens != again.tokens or not d.tokens
+    # Another tenant gets nothing from that history; another session of the same tenant
+    # shares it under the default (tenant) scope, and not under scope="session".
+    d = drafter.propose(DraftContext(probe, len(probe), SessionRef("killed", tenant="t2")), 16)
+    assert d.tokens != again.tokens or not d.tokens
+    other = SessionRef("other", tenant="t1")
+    assert drafter.propose(DraftContext(probe, len(probe), other), 16).tokens == again.tokens
+    alone = SuffixDrafter(SuffixConfig(scope="session"), store=store)
+    assert alone.propose(DraftContext(probe, len(probe), ref), 16).tokens == again.tokens
+    d = alone.propose(DraftContext(probe, len(probe), other), 16)
+    assert d.tokens != again.tokens or not d.tokens
 
 
 def _tokenizer():  # type: ignore[no-untyped-def]

@@ -327,7 +327,7 @@ def test_in_memory_history_lru_is_per_tenant() -> None:
     from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
     from agentspec.types import DraftContext
 
-    drafter = SuffixDrafter(SuffixConfig(max_scopes=4))
+    drafter = SuffixDrafter(SuffixConfig(max_scopes=4, scope="session"))
     for ref in [SessionRef("q", "quiet")] + [SessionRef(f"n{i}", "noisy") for i in range(20)]:
         drafter.finish(DraftContext([1, 2, 3, 4], 2, ref, 1))
     scopes = drafter.stats()["scopes"]

@@ -222,7 +222,10 @@ def test_completion_shape_and_sessions() -> None:
     client.post("/v1/chat/completions", json=_body(prompt_cache_key="pk-1", user="u"))
     assert rt.calls[-1]["session"].session_id == "pk-1"
     client.post("/v1/chat/completions", json=_body())
-    assert rt.calls[-1]["session"] is None  # anonymous: no cross-request cache
+    # Anonymous under the default (tenant) scope: a fresh session of its own that reads and
+    # feeds the tenant's history, never another session's request state.
+    anon = rt.calls[-1]["session"]
+    assert anon is not None and anon.session_id.startswith("anon-")
     client.post("/v1/chat/completions", json={"model": "fake-model", "messages": [
         {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text",
                                                                             "text": "brief"}]},

@@ -162,6 +162,44 @@ def test_proposer_finds_its_runner_and_learns_a_session() -> None:
     assert proposer.stats.finished == 1 and proposer.stats.sessions == {"t/default/s1"}
 
 
+def _drafts_alone(rid: str, prompt: list[int], out: list[int]) -> list[list[int]]:
+    runner = FakeModelRunner()
+    runner.start(0, rid, prompt)
+    return [runner.step({0: [tok]})[0] for tok in out]
+
+
+def test_proposer_keeps_two_requests_of_one_session_apart() -> None:
+    # Two in-flight requests of one session, interleaved step by step in one batch, each
+    # draft exactly what they draft alone, and each keeps one request index throughout
+    # (keyed by vLLM request id, not rebuilt because the other request ran in between).
+    ref = SessionRef("s1", tenant="t")
+    rid_a, rid_b = encode_request_id(ref, nonce="aaaa"), encode_request_id(ref, nonce="bbbb")
+    prompt_a, out_a = [1, *DOC[:20], 2], DOC[:20]
+    prompt_b, out_b = [3, *DOC[20:], *DOC[5:15], 4], [*DOC[20:], *DOC[5:15]]
+    alone_a = _drafts_alone(rid_a, prompt_a, out_a)
+    alone_b = _drafts_alone(rid_b, prompt_b, out_b)
+    assert any(alone_a) and any(alone_b)
+    runner = FakeModelRunner()
+    runner.start(0, rid_a, prompt_a)
+    runner.start(1, rid_b, prompt_b)
+    got_a, got_b = [], []
+    for i in range(max(len(out_a), len(out_b))):
+        committed = {}
+        if i < len(out_a):
+            committed[0] = [out_a[i]]
+        if i < len(out_b):
+            committed[1] = [out_b[i]]
+        drafts = runner.step(committed)
+        if i < len(out_a):
+            got_a.append(drafts[0])
+        if i < len(out_b):
+            got_b.append(drafts[1])
+    assert got_a == alone_a and got_b == alone_b
+    drafter = runner.drafter.drafter
+    assert drafter.requests_started == 2
+    assert drafter.stats()["active_requests"] == 2
+
+
 def test_proposer_isolates_sessions_and_anonymous_requests() -> None:
     runner = FakeModelRunner()
     ref = SessionRef("s1", tenant="t")
