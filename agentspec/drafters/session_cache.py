@@ -361,7 +361,7 @@ class SuffixDrafter:
                 pool.sessions.add(ref.session_id)
                 missing.append(pool)
             out.append((key[0], pool))
-        keep = {key for key in visible_keys(ref, cfg.scope)}
+        keep = set(visible_keys(ref, cfg.scope))
         while len(self._pools) > cfg.max_scopes:
             self._evict_pool(keep)
         if missing and self.store is not None:
