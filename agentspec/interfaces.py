@@ -83,6 +83,24 @@ class Verifier(Protocol):
 
 
 @runtime_checkable
+class Constraint(Protocol):
+    """A request's output grammar (structured outputs, tool calls): the engine masks the
+    target's logits with it at every verified position (see :mod:`agentspec.grammar`)."""
+
+    def prepare(self, draft: Draft) -> Draft:
+        """Walk the grammar along ``draft``; return it cut at its first forbidden token."""
+        ...
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Mask the rows ``[k+1, V]`` of the prepared draft in place (forbidden: -inf)."""
+        ...
+
+    def commit(self, result: VerifyResult) -> None:
+        """Advance the grammar over the committed tokens, rolling back the rejected."""
+        ...
+
+
+@runtime_checkable
 class FeatureTarget(Protocol):
     """A target that exposes its final hidden states (the features an EAGLE-style head
     drafts from). Optional: the engine feeds features only when both sides support them."""
