@@ -111,11 +111,24 @@ class GrammarConstraint:
             self.stats.cut_drafts += 1
             draft = draft.truncated(allowed) if allowed else Draft(source=draft.source)
         masks = torch.zeros((allowed + 1, self._words), dtype=torch.int32)
+        ahead = 0
         for i in range(allowed + 1):
             self._llt.fill_next_token_bitmask(self.matcher, masks, i)
-            if i < allowed and not self.matcher.consume_token(draft.tokens[i]):
+            if i == allowed:
+                break
+            if self.matcher.is_stopped():
+                # Complete grammar: the only allowed token is EOS, which ends the request;
+                # nothing is drafted past it, and it is not fed (a stopped matcher keeps
+                # no history for it, so it could not be rolled back).
+                draft = draft.truncated(i + 1)
+                masks = masks[: i + 2]
+                self._llt.fill_next_token_bitmask(self.matcher, masks, i + 1)
+                allowed = i + 1
+                break
+            if not self.matcher.consume_token(draft.tokens[i]):
                 raise GrammarError(f"grammar rejected validated draft token {draft.tokens[i]}")
-        self._masks, self._ahead = masks, allowed
+            ahead += 1
+        self._masks, self._ahead = masks, ahead
         self.stats.masks += allowed + 1
         self.stats.mask_s += time.perf_counter() - t0
         self.stats.steps += 1
@@ -138,15 +151,16 @@ class GrammarConstraint:
         """Roll back the rejected draft tokens and consume the verifier's own token."""
         if self._masks is None:
             raise GrammarError("commit() called before prepare()")
-        rejected = self._ahead - result.num_accepted
-        if rejected:
-            self.matcher.rollback(rejected)
-        token = result.tokens[-1]
-        if not self.matcher.consume_token(token):
-            raise GrammarError(
-                f"verifier committed token {token}, which the grammar forbids: "
-                f"{self.matcher.get_error()}"
-            )
+        rejected = self._ahead - min(result.num_accepted, self._ahead)
+        if rejected and not self.matcher.rollback(rejected):
+            raise GrammarError(f"grammar rollback failed: {self.matcher.get_error()}")
+        if result.num_accepted <= self._ahead:  # else an accepted EOS already ended it
+            token = result.tokens[-1]
+            if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+                raise GrammarError(
+                    f"verifier committed token {token}, which the grammar forbids: "
+                    f"{self.matcher.get_error()}"
+                )
         self.tokens.extend(result.tokens)
         self._masks, self._ahead = None, 0
 

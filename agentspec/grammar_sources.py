@@ -96,9 +96,13 @@ def tool_call_schema(tools: Sequence[dict[str, Any]], only: str | None = None) -
         name = fn.get("name")
         if not isinstance(name, str) or (only is not None and name != only):
             continue
-        params = fn.get("parameters") or {"type": "object"}
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise GrammarError(f"tool {name!r} parameters must be a JSON schema object")
+        if "properties" in params and "additionalProperties" not in params:
+            # Arguments are the declared parameters (OpenAI strict mode's rule too): a
+            # small model otherwise pads the call with invented keys.
+            params = {**params, "additionalProperties": False}
         options.append({
             "type": "object",
             "properties": {"name": {"const": name}, "arguments": params},
@@ -142,10 +146,11 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) 
         )
     call = "call: " + _json_rule(tool_call_schema(tools, name), lenient=True)
     if tool_choice in (None, "auto"):
-        # Prose that stops at the opening tag, then a call; or prose that never opens one.
+        # Prose ending at the first opening tag, then a call; or prose that never opens
+        # one. Plain lexemes (not llguidance's stop= rules, which cannot roll back).
         return "\n".join([
-            f'start: text call "{CALL_CLOSE}" | PROSE',
-            f'text[stop="{CALL_OPEN}"]: /(?s:.*)/',
+            f'start: OPEN call "{CALL_CLOSE}" | PROSE',
+            f"OPEN: /(?s:.*){CALL_OPEN}/ & ~/(?s:.*{CALL_OPEN}.+)/",
             f"PROSE: /(?s:.*)/ & ~/(?s:.*{CALL_OPEN}.*)/",
             call,
         ])

@@ -20,6 +20,8 @@ from agentspec.chat import render_prompt
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.factory import build_drafter, build_engine
+from agentspec.grammar import GrammarCompiler, GrammarConstraint
+from agentspec.grammar_sources import response_format_grammar, tool_call_grammar
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.targets.hf import HFTarget, TargetConfig
@@ -147,6 +149,7 @@ class Runtime:
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[tuple[str, str, int, str], Drafter | None] = {}
+        self.grammars = GrammarCompiler.from_hf(self.tokenizer, target.vocab_size)
         eos = self.tokenizer.eos_token_id
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -203,6 +206,29 @@ class Runtime:
         """Rendered prompt token ids and the forced assistant prefix (if any)."""
         return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice)
 
+    def constraint_for(
+        self,
+        tools: Sequence[dict[str, Any]] | None,
+        tool_choice: ToolChoice,
+        response_format: Any,
+        spec: AgentSpec,
+    ) -> GrammarConstraint | None:
+        """The request's grammar (``None``: unconstrained): a forced tool call, else the
+        ``response_format``, else (``spec.constrained_tool_calls``) valid calls under auto.
+
+        Raises:
+            GrammarError: a bad ``response_format``, tool schema or ``tool_choice``.
+        """
+        forced = tool_choice not in (None, "auto", "none")
+        grammar = None
+        if forced and spec.constrained_tool_calls:
+            grammar = tool_call_grammar(tools, tool_choice)
+        if grammar is None and not forced:
+            grammar = response_format_grammar(response_format)
+        if grammar is None and not forced and spec.constrained_tool_calls:
+            grammar = tool_call_grammar(tools, tool_choice)
+        return self.grammars.constraint(grammar) if grammar is not None else None
+
     def stream_chat(
         self,
         messages: Sequence[dict[str, Any]],
@@ -215,15 +241,21 @@ class Runtime:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
+        response_format: Any = None,
     ) -> Iterator[str]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
         The model lock is held while the generator runs (requests are served one at a
-        time); closing the generator early releases it.
+        time); closing the generator early releases it. ``response_format`` (OpenAI's
+        ``json_object`` / ``json_schema``) and tool calls are grammar-constrained, see
+        :meth:`constraint_for`.
         """
         spec = spec or self.default_spec
         sampling = sampling or spec.verifier.sampling()
-        prompt, prefix = self.prompt_ids(messages, tools, tool_choice)
+        constraint = self.constraint_for(tools, tool_choice, response_format, spec)
+        # Under a tool grammar the grammar writes the call's opening; no forced prefix.
+        choice = "auto" if constraint is not None and tool_choice != "none" else tool_choice
+        prompt, prefix = self.prompt_ids(messages, tools, choice)
         if tools and tool_choice != "none":
             # A call is complete at its closing tag: stop there, the agent runs the tool.
             stop = [*stop, "</tool_call>"]
@@ -232,7 +264,8 @@ class Runtime:
             if prefix:
                 yield prefix
             done: list[Generation] = []
-            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done)
+            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done,
+                                     constraint=constraint)
         gen = done[0]
         if result is not None:
             result.append(ChatResult.build(
