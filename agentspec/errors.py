@@ -60,6 +60,6 @@ class TrainingDataError(AgentSpecError, ValueError):
     model's tokenizer; the message names the file or value."""
 
 
-class GrammarError(AgentSpecError, ValueError):
+class GrammarError(ConfigError):
     """A grammar (JSON schema, response_format, tool schema) that cannot constrain
     decoding, or a constrained decode that left the grammar."""
