@@ -149,7 +149,7 @@ class Runtime:
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[tuple[str, str, int, str], Drafter | None] = {}
-        self.grammars = GrammarCompiler.from_hf(self.tokenizer, target.vocab_size)
+        self._grammars: GrammarCompiler | None = None
         eos = self.tokenizer.eos_token_id
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -205,6 +205,13 @@ class Runtime:
     ) -> tuple[list[int], str]:
         """Rendered prompt token ids and the forced assistant prefix (if any)."""
         return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler (its token trie is built on the first grammar)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.target.vocab_size)
+        return self._grammars
 
     def constraint_for(
         self,

@@ -52,6 +52,7 @@ class ChatRequest:
         max_retries: Retries after a busy session store, before any output.
         deadline: ``time.monotonic()`` value past which the call fails.
         return_token_ids: Report generated token ids in ``response_metadata``.
+        response_format: OpenAI ``response_format`` (grammar-constrained JSON).
     """
 
     runtime: Any
@@ -66,6 +67,7 @@ class ChatRequest:
     max_retries: int = 2
     deadline: float | None = None
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
 
 
 def thread_session(value: Any) -> str:
@@ -120,6 +122,7 @@ def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
         gen = req.runtime.stream_chat(
             req.messages, req.tools, tool_choice=req.tool_choice, session=req.session,
             spec=req.spec, max_tokens=req.max_tokens, stop=req.stop, result=out,
+            **({"response_format": req.response_format} if req.response_format else {}),
         )
         try:
             for delta in gen:
