@@ -52,6 +52,9 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
                    help="at most 2 sessions x 2 turns per workload, 160 tokens per answer "
                         "(about 5 minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--constrained", action="store_true",
+                   help="decode tool calls under their JSON-schema grammar; greedy is then "
+                        "the engine's constrained greedy decoding (engine methods only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +127,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
         out=args.out, model=args.model, dtype=args.dtype, max_draft=args.max_draft,
         data_dir=args.data, progress=not args.no_progress, quick=args.quick,
-        relay_prompt=args.relay_prompt,
+        relay_prompt=args.relay_prompt, constrained=args.constrained,
     )
     report = run_bench(cfg)
     print(f"model: {report['model']}  machine: {report['machine']['processor']}, "

@@ -24,6 +24,8 @@ from agentspec.drafters import (
 )
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, BenchmarkError
+from agentspec.grammar import GrammarCompiler
+from agentspec.grammar_sources import tool_call_grammar
 from agentspec.interfaces import Drafter, Verifier
 from agentspec.targets.hf import HFTarget
 from agentspec.types import RequestStats, SessionRef, StepStats
@@ -58,11 +60,16 @@ class MethodContext:
         target: The loaded model.
         oracle: Greedy references registered by the ``greedy`` method, drafted by ``oracle``.
         engine: Engine settings for the engine methods.
+        grammars: Set for constrained runs (``bench --constrained``): requests with tools
+            decode under their tool-call grammar (``auto``: a call's body is constrained
+            once the model opens it), and ``greedy`` is the engine without drafts, under
+            the same grammar (transformers' generate cannot be constrained).
     """
 
     target: HFTarget
     oracle: OracleDrafter = field(default_factory=OracleDrafter)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    grammars: GrammarCompiler | None = None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""
@@ -84,16 +91,25 @@ class EngineMethod:
         ctx: MethodContext,
         drafter: Drafter | None,
         verifier: Verifier | None = None,
+        record: bool = False,
     ) -> None:
         self.name = name
+        self.ctx, self.record = ctx, record
         self.decoder = SpeculativeDecoder(
             ctx.target, drafter, verifier, decode=ctx.decode, eos_token_ids=ctx.eos_ids,
             config=ctx.engine,
         )
 
     def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
-        """Run the request through the engine."""
-        g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session)
+        """Run the request through the engine (under its tool grammar in constrained runs)."""
+        constraint = None
+        grammar = tool_call_grammar(request.tools, "auto") if self.ctx.grammars else None
+        if self.ctx.grammars is not None and grammar is not None:
+            constraint = self.ctx.grammars.constraint(grammar)
+        g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session,
+                                  constraint=constraint)
+        if self.record:  # the constrained greedy reference feeds the oracle drafter
+            self.ctx.oracle.add(prompt, g.tokens)
         return RunOutput(g.tokens, g.text, g.stats)
 
 
@@ -232,7 +248,8 @@ def build_method(name: str, ctx: MethodContext) -> Method:
     """Build the method called ``name``.
 
     Raises:
-        BenchmarkError: unknown name (the message lists the known ones).
+        BenchmarkError: unknown name (the message lists the known ones), or a method that
+            cannot run under a grammar in a constrained run.
     """
     try:
         factory = METHODS[name]
@@ -240,4 +257,12 @@ def build_method(name: str, ctx: MethodContext) -> Method:
         raise BenchmarkError(
             f"unknown method {name!r}; choose from {', '.join(sorted(METHODS))}"
         ) from None
+    if ctx.grammars is not None:
+        if name == "greedy":  # the constrained reference: the engine without drafts
+            return EngineMethod("greedy", ctx, None, record=True)
+        method = factory(ctx)
+        if not isinstance(method, EngineMethod):
+            raise BenchmarkError(f"method {name!r} cannot decode under a grammar "
+                                 "(--constrained runs engine methods only)")
+        return method
     return factory(ctx)

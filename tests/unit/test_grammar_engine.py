@@ -171,3 +171,15 @@ def test_misuse_raises(tiny_target, compiler) -> None:  # type: ignore[no-untype
     engine.supports_constraints = False
     with pytest.raises(ConfigError, match="cannot decode under a grammar"):
         engine.generate([3], 5, constraint=compiler.constraint(json_grammar(SCHEMA)))
+
+
+def test_constrained_bench_methods(tiny_target, compiler) -> None:  # type: ignore[no-untyped-def]
+    from agentspec.errors import BenchmarkError
+    from workflows.methods import EngineMethod, MethodContext, build_method
+
+    ctx = MethodContext(tiny_target, grammars=compiler)
+    greedy = build_method("greedy", ctx)  # the reference: the engine without drafts
+    assert isinstance(greedy, EngineMethod) and greedy.decoder.drafter is None
+    assert isinstance(build_method("suffix", ctx), EngineMethod)
+    with pytest.raises(BenchmarkError, match="cannot decode under a grammar"):
+        build_method("hf_prompt_lookup", ctx)
