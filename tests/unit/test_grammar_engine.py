@@ -177,7 +177,10 @@ def test_constrained_bench_methods(tiny_target, compiler) -> None:  # type: igno
     from agentspec.errors import BenchmarkError
     from workflows.methods import EngineMethod, MethodContext, build_method
 
-    ctx = MethodContext(tiny_target, grammars=compiler)
+    class _Ctx(MethodContext):
+        eos_ids = (EOS,)  # the tiny target has no tokenizer
+
+    ctx = _Ctx(tiny_target, grammars=compiler)
     greedy = build_method("greedy", ctx)  # the reference: the engine without drafts
     assert isinstance(greedy, EngineMethod) and greedy.decoder.drafter is None
     assert isinstance(build_method("suffix", ctx), EngineMethod)
