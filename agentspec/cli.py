@@ -57,6 +57,16 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
                         "the engine's constrained greedy decoding (engine methods only)")
 
 
+def _version() -> str:
+    """The installed package's version (``unknown`` when run from an uninstalled tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentspec")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``agentspec``."""
     parser = argparse.ArgumentParser(
@@ -64,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding for LLM agents: drafts from everything a "
                     "session has seen, verified by the model in one forward pass.",
     )
+    parser.add_argument("--version", action="version", version=f"agentspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
