@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="write a Markdown report and PNG plots of results",
                          description="Reads a results JSON written by `agentspec bench` and "
-                                     "writes report.md plus plots (speed-up per method and "
-                                     "workload, accepted-length histograms, speed-up per "
+                                     "writes <results>.report.md plus plots (speed-up per method "
+                                     "and workload, accepted-length histograms, speed-up per "
                                      "relay turn).")
     rep.add_argument("results", type=Path, help="results JSON from agentspec bench")
     rep.add_argument("--out-dir", type=Path, default=None,
