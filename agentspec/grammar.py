@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from agentspec.errors import GrammarError
@@ -144,7 +145,14 @@ class GrammarConstraint:
             raise GrammarError(
                 f"logits have {logits.shape[0]} rows, masks {self._masks.shape[0]}"
             )
-        self._llt.apply_token_bitmask_inplace(logits, self._masks)
+        # Unpack the 32-bit words to one bool per token (token 32*w + b is bit b of word w,
+        # little-endian). llguidance's own apply kernel is torch.compile'd: a C++ build on
+        # first use and recompiles per shape on CPU, seconds per step on this machine.
+        packed = self._masks.numpy().view(np.uint8)
+        bits = np.unpackbits(packed, axis=1, bitorder="little").view(np.bool_)
+        forbidden = ~torch.from_numpy(bits[:, : logits.shape[1]])
+        with torch.inference_mode():  # the target's logits are inference tensors
+            logits.masked_fill_(forbidden, float("-inf"))
         self.stats.apply_s += time.perf_counter() - t0
 
     def commit(self, result: VerifyResult) -> None:
