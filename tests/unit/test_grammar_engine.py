@@ -186,3 +186,29 @@ def test_constrained_bench_methods(tiny_target, compiler) -> None:  # type: igno
     assert isinstance(build_method("suffix", ctx), EngineMethod)
     with pytest.raises(BenchmarkError, match="cannot decode under a grammar"):
         build_method("hf_prompt_lookup", ctx)
+
+
+def test_runtime_picks_the_request_grammar() -> None:
+    from agentspec.grammar_sources import tool_call_grammar
+    from agentspec.runtime import Runtime
+    from agentspec.spec import AgentSpec
+
+    class Recorder:  # stands in for the compiler: returns the grammar text it is given
+        def constraint(self, grammar: str) -> str:
+            return grammar
+
+    rt = Runtime.__new__(Runtime)
+    rt._grammars = Recorder()  # type: ignore[assignment]
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}
+    on, off = AgentSpec(), AgentSpec(constrained_tool_calls=False)
+    obj = {"type": "json_object"}
+    # A forced call wins over response_format; response_format over the auto tool grammar.
+    assert rt.constraint_for([tool], "required", obj, on) == tool_call_grammar([tool], "required")
+    assert rt.constraint_for([tool], "auto", obj, on) == json_grammar(None)
+    assert rt.constraint_for([tool], None, None, on) == tool_call_grammar([tool], "auto")
+    assert rt.constraint_for([tool], "none", None, on) is None
+    assert rt.constraint_for([tool], "required", None, off) is None
+    assert rt.constraint_for(None, None, obj, off) == json_grammar(None)
+    grammar = tool_call_grammar([tool], "add")
+    assert grammar is not None and '"additionalProperties": false' in grammar
