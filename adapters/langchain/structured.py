@@ -45,6 +45,9 @@ CALL_ARGS = frozenset({
     "response_format", "stop", "parallel_tool_calls",
     # set by LangChain itself for tracing (with_structured_output, bind_tools)
     "ls_structured_output_format",
+    # LangChain's standard credential argument: the embedded model has no endpoint to
+    # authenticate to, so there is nothing to honour (the standard tests pass one).
+    "api_key",
 })
 #: Why the OpenAI / Ollama options LangChain users pass most often cannot be honoured.
 UNSUPPORTED = {
