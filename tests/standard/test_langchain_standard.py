@@ -12,14 +12,26 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from adapters.langchain import ChatAgentSpec
 
 # Why each remaining expected failure fails: what SmolLM2-135M-Instruct writes (greedy,
-# fp32). Tool calls, tool_choice and structured output pass since decoding is
-# grammar-constrained (docs/structured-outputs.md); test_remaining_xfails checks this table.
+# fp32). Tool calling and tool_choice pass since calls are decoded under the tool's schema
+# (docs/structured-outputs.md); test_remaining_xfails checks this table.
 _AGENT = (
     "SmolLM2-135M answers 'What is the weather in San Francisco, CA?' in prose instead of "
     "calling get_weather when the tool choice is left to it (tool_choice='auto': the grammar "
     "constrains a call once the model opens one, but cannot make it open one)"
 )
-REMAINING_XFAILS = {"test_agent_loop": _AGENT}
+_JOKE = (
+    "with_structured_output's default method (json_schema) keeps the reply valid JSON of the "
+    "Joke schema, but SmolLM2-135M repeats a phrase inside the first string ('A cat is a "
+    "cat, right? A cat is a cat, a cat is a cat, ...') until max_tokens, so the object is "
+    "never closed and the parser yields no Joke"
+)
+REMAINING_XFAILS = {
+    "test_agent_loop": _AGENT,
+    "test_structured_output": _JOKE,
+    "test_structured_output_async": _JOKE,
+    "test_structured_output_pydantic_2_v1": _JOKE,
+    "test_structured_output_optional_param": _JOKE,
+}
 
 
 class TestChatAgentSpecUnit(ChatModelUnitTests):
@@ -48,18 +60,8 @@ class TestChatAgentSpecIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        # No session store (nothing written to disk); short answers keep the suite quick
-        # (64 tokens: a constrained Joke call with both fields fits, 40 did not).
-        return {"store": False, "max_tokens": 64}
-
-    @property
-    def structured_output_kwargs(self) -> dict[str, Any]:
-        # The default, method="json_schema", constrains the reply to the schema but shows the
-        # model nothing of it: SmolLM2-135M then repeats a phrase inside the first string
-        # until max_tokens. "function_calling" renders the schema (with its field
-        # descriptions) into the prompt as a tool, and the forced call is just as
-        # constrained. Both methods are unit-tested in tests/unit/test_langchain_structured.py.
-        return {"method": "function_calling"}
+        # No session store (nothing written to disk); short answers keep the suite quick.
+        return {"store": False, "max_tokens": 40}
 
     # -- expected failures: the 135M model's choices, not the integration -----------------
     # Each test below runs (xfail, not skip). A larger model passes them unchanged.
@@ -68,6 +70,24 @@ class TestChatAgentSpecIntegration(ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason=_JOKE)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model: BaseChatModel, schema_type: Any) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=_JOKE)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model: BaseChatModel, schema_type: Any) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=_JOKE)
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=_JOKE)
+    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
+        super().test_structured_output_optional_param(model)
 
 
 def test_remaining_xfails() -> None:
