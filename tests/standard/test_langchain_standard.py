@@ -25,8 +25,14 @@ _JOKE = (
     "cat, right? A cat is a cat, a cat is a cat, ...') until max_tokens, so the object is "
     "never closed and the parser yields no Joke"
 )
+_UNICODE = (
+    "the forced unicode_customer call is constrained to the tool's schema, but SmolLM2-135M's "
+    "description argument runs past max_tokens=40 inside a string, so the cut call does not "
+    "parse (invalid_tool_calls: 'Unterminated string')"
+)
 REMAINING_XFAILS = {
     "test_agent_loop": _AGENT,
+    "test_unicode_tool_call_integration": _UNICODE,
     "test_structured_output": _JOKE,
     "test_structured_output_async": _JOKE,
     "test_structured_output_pydantic_2_v1": _JOKE,
@@ -70,6 +76,15 @@ class TestChatAgentSpecIntegration(ChatModelIntegrationTests):
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
+
+    @pytest.mark.xfail(reason=_UNICODE)
+    def test_unicode_tool_call_integration(
+        self, model: BaseChatModel, *, tool_choice: str | None = None,
+        force_tool_call: bool = True,
+    ) -> None:
+        super().test_unicode_tool_call_integration(
+            model, tool_choice=tool_choice, force_tool_call=force_tool_call
+        )
 
     @pytest.mark.xfail(reason=_JOKE)
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
