@@ -59,6 +59,19 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
                    help="at most 2 sessions x 2 turns per workload, 160 tokens per answer "
                         "(about 5 minutes)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--constrained", action="store_true",
+                   help="decode tool calls under their JSON-schema grammar; greedy is then "
+                        "the engine's constrained greedy decoding (engine methods only)")
+
+
+def _version() -> str:
+    """The installed package's version (``unknown`` when run from an uninstalled tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentspec")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding for LLM agents: drafts from everything a "
                     "session has seen, verified by the model in one forward pass.",
     )
+    parser.add_argument("--version", action="version", version=f"agentspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -90,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="write a Markdown report and PNG plots of results",
                          description="Reads a results JSON written by `agentspec bench` and "
-                                     "writes report.md plus plots (speed-up per method and "
-                                     "workload, accepted-length histograms, speed-up per "
+                                     "writes <results>.report.md plus plots (speed-up per method "
+                                     "and workload, accepted-length histograms, speed-up per "
                                      "relay turn).")
     rep.add_argument("results", type=Path, help="results JSON from agentspec bench")
     rep.add_argument("--out-dir", type=Path, default=None,
@@ -135,7 +149,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
         out=args.out, model=args.model, dtype=args.dtype, max_draft=args.max_draft,
         data_dir=args.data, progress=not args.no_progress, quick=args.quick,
-        relay_prompt=args.relay_prompt,
+        relay_prompt=args.relay_prompt, constrained=args.constrained,
     )
     report = run_bench(cfg)
     print(f"model: {report['model']}  machine: {report['machine']['processor']}, "

@@ -21,6 +21,7 @@ import torch
 from agentspec.errors import ConfigError, DraftError, PromptTooLongError
 from agentspec.interfaces import (
     BatchTarget,
+    Constraint,
     Drafter,
     FeatureDrafter,
     FeatureTarget,
@@ -166,6 +167,10 @@ class SpeculativeDecoder:
         config: Loop settings.
     """
 
+    #: Whether :meth:`steps` honours a grammar ``constraint`` (subclasses that verify
+    #: differently say False, and a constrained request is refused rather than ignored).
+    supports_constraints = True
+
     def __init__(
         self,
         target: Target,
@@ -181,6 +186,7 @@ class SpeculativeDecoder:
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
         self.config = config or EngineConfig()
+        self._constraint: Constraint | None = None
 
     def generate(
         self,
@@ -189,9 +195,10 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         session: SessionRef | None = None,
+        constraint: Constraint | None = None,
     ) -> Generation:
         """Decode one request to completion. See :meth:`steps` for the arguments."""
-        gen = self.steps(prompt, max_tokens, stop, sampling, session)
+        gen = self.steps(prompt, max_tokens, stop, sampling, session, constraint)
         while True:
             try:
                 next(gen)
@@ -207,6 +214,7 @@ class SpeculativeDecoder:
         sampling: SamplingParams | None = None,
         session: SessionRef | None = None,
         result: list[Generation] | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[str]:
         """Yield text deltas as tokens are committed; append the final
         :class:`Generation` to ``result`` when given.
@@ -218,7 +226,7 @@ class SpeculativeDecoder:
             raise ConfigError("streaming needs a decode function (a tokenizer)")
         checker = _StopChecker(set(), stop, self.decode, max_tokens)
         emitted = 0
-        gen = self.steps(prompt, max_tokens, stop, sampling, session)
+        gen = self.steps(prompt, max_tokens, stop, sampling, session, constraint)
         while True:
             try:
                 tokens = next(gen)
@@ -249,6 +257,7 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         session: SessionRef | None = None,
+        constraint: Constraint | None = None,
     ) -> Generator[list[int], None, Generation]:
         """The decode loop as a generator: yields all generated tokens after each step and
         returns the :class:`Generation`.
@@ -259,13 +268,19 @@ class SpeculativeDecoder:
             stop: Stop strings; the output ends at the token that completes one.
             sampling: Greedy by default.
             session: Passed to drafters (session-scoped caches).
+            constraint: The request's output grammar (fresh per request): every verified
+                row is masked by it and draft tokens it forbids end the accepted prefix.
 
         Raises:
-            ConfigError: empty prompt or ``max_tokens < 1``.
+            ConfigError: empty prompt or ``max_tokens < 1``, or a constraint given to an
+                engine that cannot honour one.
             PromptTooLongError: prompt plus ``max_tokens`` exceed the context window.
         """
         sampling = sampling or SamplingParams()
         self.check_request(prompt, max_tokens)
+        if constraint is not None and not self.supports_constraints:
+            raise ConfigError(f"{type(self).__name__} cannot decode under a grammar constraint")
+        self._constraint = constraint
         rng = self._request_rng(sampling)
         # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
         # draws, which must come from the request's generator (same seed, same output).
@@ -344,13 +359,20 @@ class SpeculativeDecoder:
         draft = self._propose(ctx, max_draft)
         draft_s = time.perf_counter() - t0
         pending = ctx.tokens[-1]
+        grammar = self._constraint
+        if grammar is not None:  # cut at the first forbidden token; trees -> one branch
+            draft = grammar.prepare(draft)
         if draft.is_tree:
             result = self._verify_tree(pending, draft, sampling)
         else:
             logits = self.target.score([pending, *draft.tokens])  # [k+1, V]
+            if grammar is not None:
+                grammar.mask(logits)
             result = self.verifier.verify(draft, logits, sampling, rng)
             # Keep pending + accepted tokens in the cache, drop the rejected rest.
             self.target.rollback(len(draft.tokens) - result.num_accepted)
+        if grammar is not None:
+            grammar.commit(result)
         return Step(result, len(draft.tokens), draft.source, draft_s)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:

@@ -58,3 +58,8 @@ class SessionTooLargeError(AgentSpecError, ValueError):
 class TrainingDataError(AgentSpecError, ValueError):
     """Training data (traces, documents, prompts) is empty, malformed or made for another
     model's tokenizer; the message names the file or value."""
+
+
+class GrammarError(ConfigError):
+    """A grammar (JSON schema, response_format, tool schema) that cannot constrain
+    decoding, or a constrained decode that left the grammar."""

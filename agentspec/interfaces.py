@@ -149,6 +149,24 @@ class Verifier(Protocol):
 
 
 @runtime_checkable
+class Constraint(Protocol):
+    """A request's output grammar (structured outputs, tool calls): the engine masks the
+    target's logits with it at every verified position (see :mod:`agentspec.grammar`)."""
+
+    def prepare(self, draft: Draft) -> Draft:
+        """Walk the grammar along ``draft``; return it cut at its first forbidden token."""
+        ...
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Mask the rows ``[k+1, V]`` of the prepared draft in place (forbidden: -inf)."""
+        ...
+
+    def commit(self, result: VerifyResult) -> None:
+        """Advance the grammar over the committed tokens, rolling back the rejected."""
+        ...
+
+
+@runtime_checkable
 class FeatureTarget(Protocol):
     """A target that exposes its final hidden states (the features an EAGLE-style head
     drafts from). Optional: the engine feeds features only when both sides support them."""
@@ -226,11 +244,14 @@ class ChatRuntime(Protocol):
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
+        response_format: Any = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas of the answer; append the final result to ``result``.
 
         ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
         result's text start with it), before any call that ``tool_choice`` forces.
+        ``response_format`` (OpenAI's ``json_object`` / ``json_schema``) constrains the
+        answer to a grammar.
         """
         ...
 

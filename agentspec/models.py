@@ -150,6 +150,13 @@ def load_model_and_tokenizer(
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     except KeyError:
         raise ModelLoadError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}") from None
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws a "Loading weights" bar on every load (~1 s for the embedded
+    # model); a newcomer sees it on every call of every script. Off while we load, then
+    # restored to what the caller had.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         lm: Any = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch_dtype)
         tok = AutoTokenizer.from_pretrained(files.path)
@@ -163,5 +170,8 @@ def load_model_and_tokenizer(
             f"Could not load the model from {files.path} ({type(exc).__name__}: {exc}). "
             f"The files may be corrupt: {hint}."
         ) from exc
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     lm.to(device).eval()
     return lm, tok, files

@@ -45,6 +45,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
         config: Loop settings (``max_draft`` is the draft length k).
     """
 
+    supports_constraints = False  # K-row verification has no grammar hook yet
+
     def __init__(
         self,
         target: BatchTarget,

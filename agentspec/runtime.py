@@ -20,6 +20,8 @@ from agentspec.chat import render_prompt
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.factory import build_drafter, build_engine
+from agentspec.grammar import GrammarCompiler, GrammarConstraint
+from agentspec.grammar_sources import response_format_grammar, tool_call_grammar
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.targets.hf import HFTarget, TargetConfig
@@ -151,6 +153,7 @@ class Runtime:
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[DraftingPolicy, Drafter | None] = {}
+        self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
     @classmethod
@@ -206,6 +209,36 @@ class Runtime:
         (``assistant_prefix``, then any forced tool call; see :func:`chat_prompt_ids`)."""
         return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler (its token trie is built on the first grammar)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer, self.target.vocab_size)
+        return self._grammars
+
+    def constraint_for(
+        self,
+        tools: Sequence[dict[str, Any]] | None,
+        tool_choice: ToolChoice,
+        response_format: Any,
+        spec: AgentSpec,
+    ) -> GrammarConstraint | None:
+        """The request's grammar (``None``: unconstrained): a forced tool call, else the
+        ``response_format``, else (``spec.constrained_tool_calls``) valid calls under auto.
+
+        Raises:
+            GrammarError: a bad ``response_format``, tool schema or ``tool_choice``.
+        """
+        forced = tool_choice not in (None, "auto", "none")
+        grammar = None
+        if forced and spec.constrained_tool_calls:
+            grammar = tool_call_grammar(tools, tool_choice)
+        if grammar is None and not forced:
+            grammar = response_format_grammar(response_format)
+        if grammar is None and not forced and spec.constrained_tool_calls:
+            grammar = tool_call_grammar(tools, tool_choice)
+        return self.grammars.constraint(grammar) if grammar is not None else None
+
     def stream_chat(
         self,
         messages: Sequence[dict[str, Any]],
@@ -219,17 +252,23 @@ class Runtime:
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
+        response_format: Any = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
         ``assistant_prefix`` is text that opens the answer (part of the prompt; the deltas
         and the result's text start with it), before any call ``tool_choice`` forces. The
         model lock is held while the generator runs (requests are served one at a time);
-        closing the generator early releases it.
+        closing the generator early releases it. ``response_format`` (OpenAI's
+        ``json_object`` / ``json_schema``) and tool calls are grammar-constrained, see
+        :meth:`constraint_for`.
         """
         spec = spec or self.default_spec
         sampling = sampling or spec.verifier.sampling()
-        prompt, prefix = self.prompt_ids(messages, tools, tool_choice, assistant_prefix)
+        constraint = self.constraint_for(tools, tool_choice, response_format, spec)
+        # Under a tool grammar the grammar writes the call's opening; no forced prefix.
+        choice = "auto" if constraint is not None and tool_choice != "none" else tool_choice
+        prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
         if tools and tool_choice != "none":
             # A call is complete at its closing tag: stop there, the agent runs the tool.
             stop = [*stop, "</tool_call>"]
@@ -238,7 +277,8 @@ class Runtime:
             if prefix:
                 yield prefix
             done: list[Generation] = []
-            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done)
+            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done,
+                                     constraint=constraint)
         gen = done[0]
         if result is not None:
             result.append(ChatResult.build(

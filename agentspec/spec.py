@@ -122,6 +122,11 @@ class AgentSpec(BaseModel):
         name: The agent's id (also the cache scope key under ``scope="agent"``).
         drafting: Draft source policy.
         verifier: Verification policy.
+        constrained_tool_calls: Decode tool calls under their JSON schemas (llguidance
+            grammar, see ``docs/structured-outputs.md``): forced calls are always valid,
+            and under ``tool_choice="auto"`` a call's body is constrained once the model
+            opens one. ``False`` leaves tool calls free (forced calls then only get their
+            opening written for the model). ``response_format`` is always enforced.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -129,6 +134,7 @@ class AgentSpec(BaseModel):
     name: str = "default"
     drafting: DraftingPolicy = Field(default_factory=DraftingPolicy)
     verifier: VerifierPolicy = Field(default_factory=VerifierPolicy)
+    constrained_tool_calls: bool = True
 
     @field_validator("name")
     @classmethod

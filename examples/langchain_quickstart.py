@@ -4,10 +4,12 @@
 from the session cache: the output is exactly the model's own greedy output, produced in
 fewer forward passes when the session repeats itself. Everything else is plain LangChain.
 
-Run: .venv/bin/python examples/langchain_quickstart.py
+Run: .venv/bin/python examples/langchain_quickstart.py (exits 1 if a tool call is invalid)
 """
 
 from __future__ import annotations
+
+import sys
 
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
@@ -21,8 +23,9 @@ def get_weather(city: str) -> str:
     return f"It is sunny and 21 C in {city}."
 
 
-def main() -> None:
-    """Invoke, stream, call a tool, and read the speculative decoding numbers."""
+def main() -> int:
+    """Invoke, stream, call a tool, and read the speculative decoding numbers; return 1
+    when the tool call is missing or invalid."""
     # store=False keeps the session cache in memory (no SQLite file under AGENTSPEC_HOME).
     llm = ChatAgentSpec(max_tokens=96, store=False)
     # One session id for the whole conversation: every call drafts from what it has seen.
@@ -36,12 +39,15 @@ def main() -> None:
         print(chunk.content, end="", flush=True)
     print()
 
-    # tool_choice names the tool: the runtime writes the call's opening for the model.
+    # tool_choice names the tool: the call is decoded under the tool's parameter schema
+    # (a grammar), so its arguments always parse.
     with_tools = llm.bind_tools([get_weather], tool_choice="get_weather")
     call = with_tools.invoke("What's the weather in Paris?", config=config)
-    print("tool calls:", call.tool_calls, "invalid:", call.invalid_tool_calls)
+    if call.invalid_tool_calls or not call.tool_calls:
+        print("invalid tool call:", call.invalid_tool_calls or call.content, file=sys.stderr)
+        return 1
     for tc in call.tool_calls:
-        print("tool result:", get_weather.invoke(tc["args"]))
+        print(f"tool call: {tc['name']}({tc['args']}) -> {get_weather.invoke(tc['args'])}")
 
     # The same question again in the same session: the cache has seen the answer.
     again = llm.invoke("What is the capital of France?", config=config)
@@ -50,7 +56,8 @@ def main() -> None:
     print(f"repeat: {stats['generated_tokens']} tokens in {stats['forwards']} forwards "
           f"({stats['forwards_per_1k']} per 1,000 tokens), accepted-length histogram "
           f"{stats['accepted_histogram']}, drafter wins {stats['drafter_wins']}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,12 +6,15 @@ agentspec session id, so every model call of every turn in the thread drafts fro
 session cache — no extra wiring. (``langchain.agents.create_agent(ChatAgentSpec(), tools)``
 builds the same loop in one line.)
 
-Run: .venv/bin/python examples/langgraph_agent.py
+Run: .venv/bin/python examples/langgraph_agent.py (exits 1 on an invalid tool call, or
+if no tool was called)
 """
 
 from __future__ import annotations
 
-from langchain_core.messages import HumanMessage, SystemMessage
+import sys
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -37,7 +40,8 @@ def build_agent(llm: ChatAgentSpec) -> object:
     """Model node + tool node + checkpointer, compiled."""
     decide = llm.bind_tools([get_population])
     # A 135M model seldom decides to call a tool by itself: the first call of each user turn
-    # is forced to call it (the runtime writes the call's opening), later calls are free.
+    # is forced to call it (decoded under the tool's parameter schema, so it always parses);
+    # later calls are free, and a call the model opens there is constrained the same way.
     act = llm.bind_tools([get_population], tool_choice="get_population")
 
     def call_model(state: MessagesState, config: RunnableConfig) -> dict[str, list]:
@@ -54,20 +58,36 @@ def build_agent(llm: ChatAgentSpec) -> object:
     return graph.compile(checkpointer=InMemorySaver())
 
 
-def main() -> None:
-    """Two turns in one LangGraph thread; print the transcript and the speculative numbers."""
+def main() -> int:
+    """Two turns in one LangGraph thread; print the transcript, each tool call with its
+    result, and the speculative numbers. Return 1 on an invalid call or no call at all."""
     agent = build_agent(ChatAgentSpec(max_tokens=96, store=False))
     config: RunnableConfig = {"configurable": {"thread_id": "langgraph-demo"},
                               "recursion_limit": 8}
+    valid = invalid = 0
     for question in ("What is the population of Paris?", "And the population of Oslo?"):
         state = agent.invoke({"messages": [HumanMessage(question)]}, config)  # type: ignore[attr-defined]
-        for msg in state["messages"][-4:]:
-            print(f"{type(msg).__name__}: {msg.content!r} {getattr(msg, 'tool_calls', '')}")
+        turn = state["messages"][state["messages"].index(
+            next(m for m in reversed(state["messages"]) if isinstance(m, HumanMessage))):]
+        results = {m.tool_call_id: m.content for m in turn if isinstance(m, ToolMessage)}
+        for msg in turn:
+            if isinstance(msg, AIMessage):
+                for tc in msg.tool_calls:
+                    valid += 1
+                    print(f"tool call: {tc['name']}({tc['args']}) -> {results.get(tc['id'])!r}")
+                for bad in msg.invalid_tool_calls:
+                    invalid += 1
+                    print(f"INVALID tool call: {bad}", file=sys.stderr)
         last = state["messages"][-1]
+        print(f"{type(last).__name__}: {last.content!r}")
         stats = last.response_metadata.get("speculative", {})
         print(f"  session {stats.get('session_id')}: {stats.get('generated_tokens')} tokens, "
               f"{stats.get('forwards')} forwards\n")
+    if invalid or not valid:
+        print(f"{valid} valid and {invalid} invalid tool calls", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from agentspec.chat import render_prompt
 from agentspec.engine import EngineConfig
 from agentspec.errors import BenchmarkError
+from agentspec.grammar import GrammarCompiler
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import RequestStats, SessionRef
 from workflows.base import Workload
@@ -63,6 +64,8 @@ class BenchConfig:
         quick: At most 2 sessions of 2 turns per workload and at most
             :data:`QUICK_MAX_TOKENS` tokens per request (about 5 minutes in all).
         relay_prompt: DELEGATE-52 prompt style, ``"compact"`` or ``"template"``.
+        constrained: Decode tool calls under their grammar; ``greedy`` is then the
+            engine's constrained greedy decoding (see ``MethodContext.grammars``).
     """
 
     workloads: list[str] = field(default_factory=lambda: ["smoke"])
@@ -77,6 +80,7 @@ class BenchConfig:
     progress: bool = True
     quick: bool = False
     relay_prompt: str = "compact"
+    constrained: bool = False
 
     def __post_init__(self) -> None:
         if self.quick:
@@ -190,7 +194,9 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
     check_names(methods, cfg.workloads)  # before the model loads: fail fast
     if target is None:
         target = HFTarget.load(TargetConfig(model=cfg.model, dtype=cfg.dtype))
-    ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft))
+    grammars = (GrammarCompiler.from_hf(target.tokenizer, target.vocab_size)
+                if cfg.constrained else None)
+    ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft), grammars=grammars)
     built = [build_method(m, ctx) for m in methods]  # fail fast on unknown names
     workloads = [
         load_workload(w, cfg.data_dir, prompt_style=cfg.relay_prompt) for w in cfg.workloads
@@ -259,7 +265,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
         "config": {
             "workloads": cfg.workloads, "methods": methods, "limit": cfg.limit,
             "turns": cfg.turns, "dtype": cfg.dtype, "max_draft": cfg.max_draft,
-            "relay_prompt": cfg.relay_prompt,
+            "relay_prompt": cfg.relay_prompt, "constrained": cfg.constrained,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
         "results": results,

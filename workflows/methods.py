@@ -28,6 +28,8 @@ from agentspec.drafters import OracleDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, BenchmarkError
 from agentspec.factory import build_drafter, build_engine
+from agentspec.grammar import GrammarCompiler
+from agentspec.grammar_sources import tool_call_grammar
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets.hf import HFTarget
@@ -64,11 +66,16 @@ class MethodContext:
         oracle: Greedy references registered by the ``greedy`` method, drafted by ``oracle``.
         engine: Engine settings for the engine methods (``max_draft`` goes into each
             method's :class:`~agentspec.spec.AgentSpec`).
+        grammars: Set for constrained runs (``bench --constrained``): requests with tools
+            decode under their tool-call grammar (``auto``: a call's body is constrained
+            once the model opens it), and ``greedy`` is the engine without drafts, under
+            the same grammar (transformers' generate cannot be constrained).
     """
 
     target: HFTarget
     oracle: OracleDrafter = field(default_factory=OracleDrafter)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    grammars: GrammarCompiler | None = None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""
@@ -138,8 +145,10 @@ class EngineMethod:
         ctx: MethodContext,
         spec: AgentSpec,
         drafter: Drafter | None = None,
+        record: bool = False,
     ) -> None:
         self.name = name
+        self.ctx, self.record = ctx, record
         self.spec = spec
         if drafter is None:
             try:
@@ -152,8 +161,15 @@ class EngineMethod:
         )
 
     def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
-        """Run the request through the engine."""
-        g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session)
+        """Run the request through the engine (under its tool grammar in constrained runs)."""
+        constraint = None
+        grammar = tool_call_grammar(request.tools, "auto") if self.ctx.grammars else None
+        if self.ctx.grammars is not None and grammar is not None:
+            constraint = self.ctx.grammars.constraint(grammar)
+        g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session,
+                                  constraint=constraint)
+        if self.record:  # the constrained greedy reference feeds the oracle drafter
+            self.ctx.oracle.add(prompt, g.tokens)
         return RunOutput(g.tokens, g.text, g.stats)
 
 
@@ -256,7 +272,8 @@ def build_method(name: str, ctx: MethodContext) -> Method:
     """Build the method called ``name``.
 
     Raises:
-        BenchmarkError: unknown name (the message lists the known ones).
+        BenchmarkError: unknown name (the message lists the known ones), or a method that
+            cannot run under a grammar in a constrained run.
     """
     try:
         factory = METHODS[name]
@@ -264,4 +281,12 @@ def build_method(name: str, ctx: MethodContext) -> Method:
         raise BenchmarkError(
             f"unknown method {name!r}; choose from {', '.join(sorted(METHODS))}"
         ) from None
+    if ctx.grammars is not None:
+        if name == "greedy":  # the constrained reference: the engine without drafts
+            return EngineMethod("greedy", ctx, ctx.spec("plain"), record=True)
+        method = factory(ctx)
+        if not isinstance(method, EngineMethod):
+            raise BenchmarkError(f"method {name!r} cannot decode under a grammar "
+                                 "(--constrained runs engine methods only)")
+        return method
     return factory(ctx)

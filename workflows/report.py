@@ -1,10 +1,12 @@
 """The benchmark report: a Markdown table plus plots from a harness results file.
 
 ``agentspec report results.json [--out-dir DIR]`` calls :func:`write_report`, which writes
-``report.md`` (machine, model, the per-method table, per-workload quality numbers) and PNG
-plots: speed-up per method and workload, accepted-length histograms per method, and
-speed-up per turn of multi-turn workloads (the DELEGATE-52 relay). :func:`format_table`
-renders the same table for the terminal.
+``results.report.md`` (machine, model, the per-method table, per-workload quality numbers)
+and PNG plots named after the results file too (``results.speedup.png``, ...), so two runs
+reported into one folder never overwrite each other. Plots: speed-up per method and
+workload, accepted-length histograms per method, and speed-up per turn of multi-turn
+workloads (the DELEGATE-52 relay). :func:`format_table` renders the same table for the
+terminal.
 
 Fields may be missing (older result files, methods without a greedy reference); they are
 rendered as "–" and plots skip them.
@@ -178,14 +180,14 @@ def turn_speedups(turns: Sequence[dict[str, Any]], workload: str) -> dict[str, d
 
 
 def write_report(results_path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write ``report.md`` and the PNG plots for a results file.
+    """Write ``<stem>.report.md`` and the PNG plots for a results file ``<stem>.json``.
 
     Args:
         results_path: The harness's results JSON.
         out_dir: Where to write (created if needed); defaults to the results file's folder.
 
     Returns:
-        The written files, ``report.md`` first.
+        The written files, the Markdown report first.
 
     Raises:
         BenchmarkError: The results file is missing or malformed.
@@ -204,10 +206,12 @@ def write_report(results_path: str | Path, out_dir: str | Path | None = None) ->
     workloads = list(dict.fromkeys(str(r.get("workload", MISSING)) for r in results))
 
     plots: list[Path] = []
+    stem = Path(results_path).stem  # names follow the results file: runs never collide
     for path in (
-        plot_speedups(results, out / "speedup.png"),
-        plot_accepted_histograms(results, out / "accepted_hist.png"),
-        plot_turns({w: turn_speedups(turns, w) for w in workloads}, out / "speedup_per_turn.png",
+        plot_speedups(results, out / f"{stem}.speedup.png"),
+        plot_accepted_histograms(results, out / f"{stem}.accepted_hist.png"),
+        plot_turns({w: turn_speedups(turns, w) for w in workloads},
+                   out / f"{stem}.speedup_per_turn.png",
                    relative=any(t.get("method") == BASELINE for t in turns)),
     ):
         if path is not None:
@@ -236,7 +240,7 @@ def write_report(results_path: str | Path, out_dir: str | Path | None = None) ->
                 md += [f"### {workload}", "", table, ""]
     if plots:
         md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    report = out / "report.md"
+    report = out / f"{stem}.report.md"
     report.write_text("\n".join(md), encoding="utf-8")
     return [report, *plots]
 

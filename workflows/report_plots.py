@@ -70,6 +70,10 @@ def plot_speedups(results: Sequence[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+#: Panel titles of the latest :func:`plot_accepted_histograms` call (read by tests).
+LAST_TITLES: dict[str, str] = {}
+
+
 def plot_accepted_histograms(results: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """One panel per method: share of decode steps per accepted draft length.
 
@@ -83,10 +87,18 @@ def plot_accepted_histograms(results: Sequence[dict[str, Any]], path: Path) -> P
         ``path``, or ``None`` when no row has a histogram.
     """
     hists: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    # The table's "mean accepted len" (tokens per forward), pooled over workloads the same
+    # way: total tokens / total forwards, so a one-workload title equals its table row.
+    tokens: dict[str, float] = defaultdict(float)
+    forwards: dict[str, float] = defaultdict(float)
     for r in results:
         hist = r.get("accepted_histogram")
         if not isinstance(hist, Mapping):
             continue
+        n, per = _value(r.get("tokens")), _value(r.get("mean_accepted_len"))
+        if n and per:
+            tokens[str(r.get("method"))] += n
+            forwards[str(r.get("method"))] += n / per
         for key, count in hist.items():
             v = _value(count)
             try:
@@ -98,6 +110,7 @@ def plot_accepted_histograms(results: Sequence[dict[str, Any]], path: Path) -> P
     hists = {m: h for m, h in hists.items() if sum(h.values()) > 0}
     if not hists:
         return None
+    titles: dict[str, str] = {}
     cols = min(3, len(hists))
     rows = math.ceil(len(hists) / cols)
     fig = _figure(4.0 * cols, 3.0 * rows)
@@ -106,14 +119,22 @@ def plot_accepted_histograms(results: Sequence[dict[str, Any]], path: Path) -> P
         total = sum(hist.values())
         lengths = sorted(hist)
         ax.bar(lengths, [hist[k] / total for k in lengths], width=0.8)
-        ax.set_xlim(-0.6, max(lengths) + 0.6)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        mean = sum(k * c for k, c in hist.items()) / total
-        ax.set_title(f"{method} (mean accepted {mean:.2f})", fontsize=9)
+        # Greedy has every step at 0: keep a 0..1 integer axis instead of fractional ticks.
+        top = max(max(lengths), 1)
+        ax.set_xlim(-0.6, top + 0.6)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=2))
+        if forwards.get(method):
+            mean = tokens[method] / forwards[method]
+        else:  # no token counts: the histogram's own mean, plus the verifier's token
+            mean = 1 + sum(k * c for k, c in hist.items()) / total
+        ax.set_title(f"{method} (mean accepted len {mean:.2f})", fontsize=9)
+        titles[method] = ax.get_title()
         ax.set_xlabel("accepted draft tokens per step")
         ax.set_ylabel("share of steps")
     fig.tight_layout()
     fig.savefig(path)
+    LAST_TITLES.clear()
+    LAST_TITLES.update(titles)
     return path
 
 

@@ -23,7 +23,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.utils import from_env
-from pydantic import ConfigDict, Field, SkipValidation
+from pydantic import ConfigDict, Field, SkipValidation, model_validator
 
 from adapters.langchain.messages import convert_tools, normalise_tool_choice, to_agentspec_messages
 from adapters.langchain.request import (
@@ -35,7 +35,14 @@ from adapters.langchain.request import (
     stream_chunks,
     stream_deltas,
 )
-from adapters.langchain.runtimes import shared_runtime
+from adapters.langchain.runtimes import shared_runtime, shared_tokenizer
+from adapters.langchain.structured import (
+    MAX_TOKENS_ALIASES,
+    StructuredMethod,
+    check_call_args,
+    structured_runnable,
+    token_limit,
+)
 from agentspec.errors import ConfigError
 from agentspec.interfaces import ChatRuntime
 from agentspec.models import EMBEDDED_MODEL
@@ -86,7 +93,8 @@ class ChatAgentSpec(BaseChatModel):
             default from ``AGENTSPEC_MODEL``, else the embedded model).
         dtype: ``float32`` (output identical to plain greedy decoding) or ``bfloat16``.
         temperature: Sampling temperature; 0 is greedy. Overrides the agent spec's when set.
-        max_tokens: Most tokens generated per call.
+        max_tokens: Most tokens generated per call (aliases: ``max_completion_tokens``,
+            ``num_predict``).
         stop: Stop strings (the output ends before them).
         timeout: Seconds a call may take; a longer one raises ``GenerationTimeoutError``.
         max_retries: Retries of a call that failed on a busy session store before any output.
@@ -99,6 +107,9 @@ class ChatAgentSpec(BaseChatModel):
         seed: Seed of the sampling generator (overrides the agent spec's; sampling only).
         return_token_ids: Put the generated token ids in ``response_metadata``.
         runtime: A runtime to use instead of the shared one (advanced; not serialised).
+        model_kwargs: Further call arguments (langchain-openai's convention: unknown
+            constructor arguments land here with a warning); one that cannot be honoured
+            raises a ``ConfigError`` naming it. ``response_format`` is honoured.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -121,6 +132,28 @@ class ChatAgentSpec(BaseChatModel):
     return_token_ids: bool = False
     # Any ChatRuntime (agentspec's Runtime, the vLLM backend); not validated by pydantic.
     runtime: SkipValidation[ChatRuntime | None] = Field(default=None, exclude=True)
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _extra_kwargs(cls, values: Any) -> Any:
+        """Aliases of ``max_tokens``; unknown arguments -> ``model_kwargs`` (warned), then
+        rejected if they cannot be honoured: nothing passed is silently dropped."""
+        from langchain_core.utils.utils import _build_model_kwargs, get_pydantic_field_names
+
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for alias in MAX_TOKENS_ALIASES:
+            if alias in values:
+                value = values.pop(alias)
+                if values.get("max_tokens") not in (None, value):
+                    raise ConfigError(f"{alias}={value!r} conflicts with "
+                                      f"max_tokens={values['max_tokens']!r}")
+                values["max_tokens"] = value
+        values = _build_model_kwargs(values, get_pydantic_field_names(cls))
+        check_call_args(values["model_kwargs"])
+        return values
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -222,6 +255,39 @@ class ChatAgentSpec(BaseChatModel):
         kwargs.pop("parallel_tool_calls", None)  # calls come one block at a time anyway
         return super().bind(tools=schemas, tool_choice=choice, **kwargs)
 
+    def with_structured_output(
+        self,
+        schema: Any = None,
+        *,
+        method: StructuredMethod = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """A runnable whose replies are parsed into ``schema``; decoding is constrained
+        so the reply always parses (see :mod:`adapters.langchain.structured`).
+
+        Args:
+            schema: Pydantic model, TypedDict, JSON schema or OpenAI tool dict (``None``
+                with ``json_mode``: any JSON object).
+            method: ``json_schema`` (default), ``json_mode`` or ``function_calling``.
+            include_raw: Also return the raw message and any parsing error.
+            strict: Accepted for compatibility; the schema is always enforced.
+
+        Raises:
+            ConfigError: an unknown method or argument.
+        """
+        if kwargs:
+            raise ConfigError(f"with_structured_output got unsupported arguments {kwargs}")
+        return structured_runnable(self, schema, method=method, include_raw=include_raw,
+                                   strict=strict)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the model's own tokenizer (offline, no model load)."""
+        if self.runtime is not None:
+            return list(self.runtime.tokenizer.encode(text, add_special_tokens=False))
+        return list(shared_tokenizer(self.model_name).encode(text, add_special_tokens=False))
+
     # -- requests --------------------------------------------------------------------------
 
     def _request(
@@ -230,6 +296,8 @@ class ChatAgentSpec(BaseChatModel):
     ) -> ChatRequest:
         """Resolve one call's runtime, prompt, tools, session and limits."""
         # Everything that can be wrong with the input is checked before the model loads.
+        check_call_args(kwargs)
+        kwargs = {**self.model_kwargs, **kwargs}
         converted = to_agentspec_messages(messages)
         tools = kwargs.get("tools") or None
         if tools is not None:
@@ -248,7 +316,7 @@ class ChatAgentSpec(BaseChatModel):
             overrides["seed"] = self.seed
         if overrides:
             spec = _with_verifier(spec, overrides)
-        max_tokens = kwargs.get("max_tokens")
+        max_tokens = token_limit(kwargs)
         if max_tokens is None:
             max_tokens = self.max_tokens or 256
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -267,6 +335,7 @@ class ChatAgentSpec(BaseChatModel):
             model_name=str(model), max_retries=self.max_retries,
             deadline=time.monotonic() + float(timeout) if timeout else None,
             return_token_ids=self.return_token_ids,
+            response_format=kwargs.get("response_format"),
         )
 
     def _generate(

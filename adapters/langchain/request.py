@@ -54,6 +54,7 @@ class ChatRequest:
         max_retries: Retries after a busy session store, before any output.
         deadline: ``time.monotonic()`` value past which the call fails.
         return_token_ids: Report generated token ids in ``response_metadata``.
+        response_format: OpenAI ``response_format`` (grammar-constrained JSON).
     """
 
     runtime: ChatRuntime
@@ -68,6 +69,7 @@ class ChatRequest:
     max_retries: int = 2
     deadline: float | None = None
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
 
 
 def thread_session(value: Any) -> str:
@@ -122,6 +124,7 @@ def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
         gen = req.runtime.stream_chat(
             req.messages, req.tools, tool_choice=req.tool_choice, session=req.session,
             spec=req.spec, max_tokens=req.max_tokens, stop=req.stop, result=out,
+            response_format=req.response_format,
         )
         try:
             for delta in gen:

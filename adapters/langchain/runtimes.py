@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 from agentspec.runtime import Runtime
 from agentspec.targets.hf import HFTarget, TargetConfig
@@ -26,6 +27,7 @@ StoreArg = bool | str | Path | None
 _GUARD = threading.Lock()
 _TARGETS: dict[tuple[str, str], tuple[HFTarget, threading.RLock]] = {}
 _RUNTIMES: dict[tuple[str, str, str], Runtime] = {}
+_TOKENIZERS: dict[str, Any] = {}
 
 
 def _store_key(store: StoreArg) -> str:
@@ -67,6 +69,45 @@ def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = 
         return runtime
 
 
+def shared_tokenizer(model: str | None) -> Any:
+    """The tokenizer of ``model``: a loaded target's, else read from the local model folder
+    (offline, well under a second; the weights are not loaded).
+
+    Raises:
+        ModelLoadError: the model cannot be found.
+    """
+    from agentspec.models import resolve_model
+
+    key = model or ""
+    with _GUARD:
+        for (name, _), (target, _lock) in _TARGETS.items():
+            if name == key and getattr(target, "tokenizer", None) is not None:
+                return target.tokenizer
+        if key not in _TOKENIZERS:
+            path = resolve_model(model).path
+            if (path / "tokenizer.json").is_file():
+                # The `tokenizers` file loads in ~0.2 s; transformers' import alone takes
+                # seconds, and get_num_tokens should not pay for it.
+                _TOKENIZERS[key] = _FileTokenizer(path / "tokenizer.json")
+            else:
+                from transformers import AutoTokenizer
+
+                _TOKENIZERS[key] = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return _TOKENIZERS[key]
+
+
+class _FileTokenizer:
+    """A ``tokenizer.json`` behind the ``encode`` of a transformers tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        import tokenizers
+
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+
 def clear_runtimes() -> None:
     """Forget every shared runtime and model (tests; frees memory once callers drop them)."""
     with _GUARD:
@@ -75,3 +116,4 @@ def clear_runtimes() -> None:
                 runtime.store.close()
         _RUNTIMES.clear()
         _TARGETS.clear()
+        _TOKENIZERS.clear()

@@ -34,6 +34,7 @@ from adapters.openai_server.errors import (
 )
 from adapters.openai_server.guard import ErrorGuard
 from adapters.openai_server.metrics import Metrics
+from adapters.openai_server.params import check_params
 from adapters.openai_server.schemas import ChatCompletionRequest, ModelCard, ModelList, now
 from adapters.openai_server.service import ChatService, Generation, Job, build_job
 from adapters.openai_server.validation import check_conversation, parse_json
@@ -144,10 +145,14 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         return api_error(bad_request(f"{loc}: {first.get('msg', 'invalid request')}"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.error(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        if exc.status_code in (404, 405):  # a route this server does not serve: OpenAI's body
+            message = f"Invalid URL ({request.method} {request.url.path})"
+            return JSONResponse(error_body(message, "invalid_request_error"),
+                                status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
+                            status_code=exc.status_code)
 
     def tenant_of(request: Request) -> str:
         if config.local_only and not is_loopback(request.client.host if request.client else None):
@@ -186,6 +191,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         data = parse_json(raw)
         if not isinstance(data, dict):
             raise bad_request("request body must be a JSON object")
+        check_params(data)  # 400 for any parameter the server would otherwise ignore
         try:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as exc:

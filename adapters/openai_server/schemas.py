@@ -1,8 +1,9 @@
 """Request and response bodies of the Chat Completions API, in OpenAI's shapes.
 
-Requests ignore fields this server does not know (clients send many optional ones, e.g.
-``parallel_tool_calls``), but reject values it cannot honour (``n > 1``, ``logprobs``,
-non-zero penalties, image content) instead of silently answering something else.
+Every parameter OpenAI defines is either honoured or rejected with a 400 naming it
+(:mod:`adapters.openai_server.params` holds the table and runs before these models), so
+values the server cannot honour (``n > 1``, ``logprobs``, penalties, image content) are
+never silently answered with something else.
 Responses carry one extension field, ``agentspec``: the speculative-decoding numbers of the
 request, which OpenAI clients keep as an extra attribute and otherwise ignore.
 """
@@ -125,6 +126,8 @@ class ChatCompletionRequest(_Lenient):
     logprobs: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod

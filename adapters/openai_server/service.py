@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from adapters.openai_server.config import ServerConfig
 from adapters.openai_server.errors import bad_request, overloaded, shutting_down
 from adapters.openai_server.metrics import Metrics
+from adapters.openai_server.params import check_structured
 from adapters.openai_server.schemas import ChatCompletionRequest
 from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec, VerifierPolicy
@@ -62,6 +63,7 @@ class Job:
     spec: AgentSpec
     max_tokens: int
     stop: list[str] = field(default_factory=list)
+    response_format: dict[str, Any] | None = None
 
     @property
     def tools_active(self) -> bool:
@@ -167,8 +169,9 @@ def build_job(
         session = SessionRef(f"anon-{uuid.uuid4().hex}", tenant=tenant, agent=agent)
     # Under session scope an anonymous request uses its own request index only (session
     # None): a random id would draft exactly the same but leave an orphan row in the store.
+    check_structured(request, raw_tools)
     return Job(messages, raw_tools, request.tool_choice, session, spec, limit,
-               request.stop_list())
+               request.stop_list(), request.response_format)
 
 
 class Generation:
@@ -264,6 +267,7 @@ class ChatService:
         stream = self._stream_chat(
             job.messages, job.tools, tool_choice=job.tool_choice, session=job.session,
             spec=job.spec, max_tokens=job.max_tokens, stop=job.stop, result=out,
+            **({"response_format": job.response_format} if job.response_format else {}),
         )
         try:
             for delta in stream:

@@ -32,6 +32,7 @@ from adapters.vllm.proposer import ENV_SCOPE
 from adapters.vllm.request_ids import encode_request_id
 from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
+from adapters.vllm.structured import structured_output_kwargs
 from agentspec.errors import ConfigError
 from agentspec.runtime import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.spec import AgentSpec
@@ -215,13 +216,19 @@ class VLLMRuntime:
             )
 
     def _sampling_params(
-        self, sampling: SamplingParams, max_tokens: int, stop: Sequence[str]
+        self, sampling: SamplingParams, max_tokens: int, stop: Sequence[str],
+        structured: dict[str, Any] | None = None,
     ) -> Any:
         from vllm import SamplingParams as VLLMSampling
 
+        extra: dict[str, Any] = {}
+        if structured is not None:  # grammar / JSON constraints (adapters.vllm.structured)
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(**structured)
         return VLLMSampling(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed, max_tokens=max_tokens, stop=list(stop) or None,
+            seed=sampling.seed, max_tokens=max_tokens, stop=list(stop) or None, **extra,
         )
 
     # ------------------------------------------------------------------ Runtime surface
@@ -238,6 +245,7 @@ class VLLMRuntime:
         sampling: SamplingParams | None = None,
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
+        response_format: Any = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
@@ -257,10 +265,13 @@ class VLLMRuntime:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         sampling = sampling or spec.verifier.sampling()
-        prompt, prefix = self.prompt_ids(messages, tools, tool_choice, assistant_prefix)
+        structured = structured_output_kwargs(tools, tool_choice, response_format, spec)
+        # Under a tool grammar the grammar writes the call's opening; no forced prefix.
+        choice = "auto" if structured and "grammar" in structured else tool_choice
+        prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
         if tools and tool_choice != "none":
             stop = [*stop, "</tool_call>"]
-        params = self._sampling_params(sampling, max_tokens, stop)
+        params = self._sampling_params(sampling, max_tokens, stop, structured)
         with self.lock:
             if prefix:
                 yield prefix

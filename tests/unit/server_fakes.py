@@ -70,12 +70,13 @@ class FakeRuntime:
         stop: Sequence[str] = (),
         sampling: Any = None,
         result: list[ChatResult] | None = None,
+        response_format: Any = None,
     ) -> Iterator[str]:
         """Yield the reply in 3-character deltas; append the ChatResult to ``result``."""
         spec = spec or self.default_spec
         self.calls.append({"messages": list(messages), "tools": tools, "session": session,
                            "tool_choice": tool_choice, "spec": spec, "max_tokens": max_tokens,
-                           "stop": list(stop)})
+                           "stop": list(stop), "response_format": response_format})
         if spec.verifier.temperature > 0:
             raise ConfigError(f"verifier mode='lossless' with temperature="
                               f"{spec.verifier.temperature} is not supported yet")

@@ -58,16 +58,16 @@ def _write(tmp_path: Path, data: dict[str, Any]) -> Path:
 def test_write_report_makes_markdown_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "report"
     paths = write_report(_write(tmp_path, _results()), out)
-    assert paths[0] == out / "report.md"
-    assert {p.name for p in paths[1:]} == {"speedup.png", "accepted_hist.png",
-                                           "speedup_per_turn.png"}
+    assert paths[0] == out / "results.report.md"  # named after results.json
+    assert {p.name for p in paths[1:]} == {"results.speedup.png", "results.accepted_hist.png",
+                                           "results.speedup_per_turn.png"}
     for png in paths[1:]:
         assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size > 5000
     md = paths[0].read_text(encoding="utf-8")
     assert "smollm2-135m-instruct" in md and "| delegate52 | suffix" in md
     assert "3.50×" in md and "70%" in md and "5.0%" in md
     assert "### delegate52" in md and "similarity_to_input" in md and "tests_passed" in md
-    assert "![speedup](speedup.png)" in md
+    assert "![results.speedup](results.speedup.png)" in md
 
 
 def test_missing_fields_render_as_dash(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_missing_fields_render_as_dash(tmp_path: Path) -> None:
     # An old results file: no turns, no histograms, no speed-ups at all.
     old = {"results": [{"workload": "chat", "method": "greedy", "tokens_per_s": 17.0}]}
     paths = write_report(_write(tmp_path, old), tmp_path)
-    assert [p.name for p in paths] == ["report.md"]
+    assert [p.name for p in paths] == ["results.report.md"]
     assert "| chat" in paths[0].read_text(encoding="utf-8")
 
 
@@ -134,3 +134,23 @@ def test_mixed_pools_workloads_per_method(tmp_path: Path) -> None:
     singles = best_single(rows, "hybrid")
     assert singles["chat"] == round((50 / 4.0) / (50 / 4.5), 3)  # model is the best single
     assert singles["delegate52"] == round((100 / 2.5) / (100 / 2.0), 3)
+
+
+def test_two_runs_in_one_folder_do_not_overwrite(tmp_path: Path) -> None:
+    old = {"results": [{"workload": "chat", "method": "greedy", "tokens_per_s": 17.0}]}
+    first = tmp_path / "run1.json"
+    second = tmp_path / "run2.json"
+    for path in (first, second):
+        path.write_text(json.dumps(old), encoding="utf-8")
+    a, b = write_report(first), write_report(second)
+    assert {p.name for p in a} == {"run1.report.md"} and {p.name for p in b} == {"run2.report.md"}
+    assert all(p.exists() for p in (*a, *b))
+
+
+def test_histogram_titles_match_the_table(tmp_path: Path) -> None:
+    from workflows.report_plots import LAST_TITLES
+
+    write_report(_write(tmp_path, _results()), tmp_path)
+    # The table's "mean accepted len" column: 1.00 for greedy, 5.20 for suffix.
+    assert LAST_TITLES == {"greedy": "greedy (mean accepted len 1.00)",
+                           "suffix": "suffix (mean accepted len 5.20)"}

@@ -183,7 +183,11 @@ def test_unknown_model_and_route() -> None:
                   "model", "model_not_found")
     _assert_error(client.get("/v1/models/gpt-9"), 404, code="model_not_found")
     assert client.get("/v1/models/fake-model").json()["id"] == "fake-model"
-    assert client.get("/v2/nothing").json()["error"]["type"] == "not_found_error"
+    missing = client.get("/v2/nothing")  # OpenAI's body for a route it does not serve
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": "Invalid URL (GET /v2/nothing)",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": None}
 
 
 def test_request_size_limit() -> None:

@@ -1,0 +1,67 @@
+"""The vLLM backend maps structured-output requests to vLLM's own structured outputs.
+vLLM is not installed here (``.venv-vllm`` is built by ``make vllm-env``): a stand-in
+``vllm`` module records the parameters the backend builds."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from adapters.vllm.backend import VLLMRuntime
+from adapters.vllm.structured import structured_output_kwargs
+from agentspec.errors import GrammarError
+from agentspec.spec import AgentSpec
+from agentspec.types import SamplingParams
+
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+SCHEMA = {"type": "object", "properties": {"x": {"type": "string"}}}
+SPEC = AgentSpec()
+
+
+def test_response_formats_map_to_vllm_json_options() -> None:
+    assert structured_output_kwargs(None, None, {"type": "json_object"}, SPEC) == {
+        "json_object": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    assert structured_output_kwargs(None, None, fmt, SPEC) == {"json": SCHEMA}
+    assert structured_output_kwargs(None, None, {"type": "text"}, SPEC) is None
+    assert structured_output_kwargs(None, None, None, SPEC) is None
+    with pytest.raises(GrammarError, match="'xml'"):
+        structured_output_kwargs(None, None, {"type": "xml"}, SPEC)
+
+
+@pytest.mark.parametrize("choice", ["required", "add", {"type": "function",
+                                                         "function": {"name": "add"}}])
+def test_forced_tool_calls_map_to_the_tool_grammar(choice: Any) -> None:
+    out = structured_output_kwargs([TOOL], choice, {"type": "json_object"}, SPEC)
+    assert out is not None and set(out) == {"grammar"}
+    assert out["grammar"].startswith('start: "<tool_call>" call "</tool_call>"')
+    assert '"const": "add"' in out["grammar"]
+
+
+def test_auto_and_opt_out() -> None:
+    auto = structured_output_kwargs([TOOL], "auto", None, SPEC)
+    assert auto is not None and "PROSE" in auto["grammar"]
+    off = AgentSpec(constrained_tool_calls=False)
+    assert structured_output_kwargs([TOOL], "auto", None, off) is None
+    assert structured_output_kwargs([TOOL], "required", None, off) is None
+    assert structured_output_kwargs([TOOL], "none", None, SPEC) is None
+
+
+def test_sampling_params_carry_structured_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm = ModuleType("vllm")
+    sampling_params = ModuleType("vllm.sampling_params")
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    sampling_params.StructuredOutputsParams = (  # type: ignore[attr-defined]
+        lambda **kw: ("structured", kw))
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_params)
+    rt = VLLMRuntime.__new__(VLLMRuntime)
+    params = rt._sampling_params(SamplingParams(), 8, ["</tool_call>"], {"json_object": True})
+    assert params.structured_outputs == ("structured", {"json_object": True})
+    assert params.max_tokens == 8 and params.stop == ["</tool_call>"]
+    plain = rt._sampling_params(SamplingParams(), 8, [])
+    assert not hasattr(plain, "structured_outputs")
