@@ -119,10 +119,17 @@ def sample_token(logits: torch.Tensor, sampling: SamplingParams, rng: torch.Gene
 
 
 def default_generator(rng: torch.Generator | None, sampling: SamplingParams) -> torch.Generator:
-    """``rng`` itself, or a generator seeded from ``sampling.seed`` (0 when unset)."""
+    """``rng`` itself, or a generator seeded from ``sampling.seed`` (0 when unset).
+
+    Seeds outside torch's range ``[0, 2**64)`` (negative or huge) are hashed to one inside
+    it (:func:`seed_key`) rather than refused.
+    """
     if rng is not None:
         return rng
-    return torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+    seed = sampling.seed if sampling.seed is not None else 0
+    if not 0 <= seed < 2**64:
+        seed = int.from_bytes(seed_key(seed)[:8], "little")
+    return torch.Generator().manual_seed(seed)
 
 
 def draft_probs(draft_tokens: torch.Tensor, probs: torch.Tensor | None, vocab: int) -> torch.Tensor:
