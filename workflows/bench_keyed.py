@@ -1,4 +1,4 @@
-"""Seeded sampling: position-keyed verification vs rejection sampling and GBV, one run.
+"""Seeded sampling: position-keyed verification vs rejection sampling, one run.
 
 ``python -m workflows.bench_verifiers --keyed --temperature 0.7 --out results/keyed.json``
 
@@ -9,11 +9,13 @@ Every request is seeded (seed = its index). Two workloads on the embedded model,
 * **open chat**: the first turn of the open-chat sessions, drafted by the EAGLE head.
 
 Rows, per workload: plain sampling (no drafter; the keyed sampler, whose cost per token is
-that of plain sampling), then the drafter verified by standard rejection sampling, by GBV
-and by the keyed verifier. On open chat, rejection sampling is run twice: with the EAGLE
-head's greedy drafts (point masses, what seeded sampling drafted before) and with its
-sampled drafts (the keyed Gumbel-coupled draws, an exact sample of the head's law), so the
-coupling's acceptance is measured against standard rejection sampling on the same head.
+that of plain sampling), then the drafter verified by standard rejection sampling and by
+the keyed verifier (GBV, the unseeded default, accepts as much as rejection on these
+drafters: see the default run of :mod:`workflows.bench_verifiers`). On open chat, rejection
+sampling is run twice: with the EAGLE head's greedy drafts (point masses, what seeded
+sampling drafted before) and with its sampled drafts (the keyed Gumbel-coupled draws, an
+exact sample of the head's law), so the coupling's acceptance is measured against standard
+rejection sampling on the same head.
 
 ``identical`` counts the requests whose tokens equal plain keyed sampling's with the same
 seed: the keyed rows must show all of them; the others follow their own generators and
@@ -40,7 +42,7 @@ from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.interfaces import Drafter, Verifier
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import Draft, DraftContext, RequestStats, SamplingParams, SessionRef
-from agentspec.verifiers import BlockVerifier, KeyedVerifier, RejectionVerifier
+from agentspec.verifiers import KeyedVerifier, RejectionVerifier
 from workflows.chat import PROMPTS
 from workflows.datasets import data_dir
 from workflows.delegate52 import Delegate52Workload
@@ -59,7 +61,8 @@ class Uncoupled:
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """The inner drafter's draft for ``ctx`` without its sampling parameters."""
-        return self.inner.propose(replace(ctx, sampling=None), max_tokens)  # type: ignore[no-any-return]
+        draft: Draft = self.inner.propose(replace(ctx, sampling=None), max_tokens)
+        return draft
 
     def __getattr__(self, name: str) -> Any:  # observe, finish, observe_features, ...
         return getattr(self.inner, name)
@@ -129,13 +132,15 @@ def run_keyed(args: argparse.Namespace) -> dict[str, Any]:
     decode = lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     cfg = EngineConfig(max_draft=args.draft)
 
-    def engine(drafter: Drafter | None, verifier: Verifier) -> SpeculativeDecoder:
-        return SpeculativeDecoder(target, drafter, verifier, decode, eos, cfg)
+    def engine(drafter: Drafter | None, verifier: Verifier,
+               config: EngineConfig = cfg) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, drafter, verifier, decode, eos, config)
 
     report: dict[str, Any] = {"model": target.name, "config": {
         "temperature": args.temperature, "draft": args.draft, "chat_prompts": args.prompts,
         "chat_max_tokens": args.max_tokens, "relay_domains": args.relay_domains,
         "relay_turns": args.relay_turns, "relay_cap": args.relay_cap,
+        "relay_draft": args.relay_draft,
         "date": time.strftime("%Y-%m-%d %H:%M:%S")}, "workloads": {}}
     engine(None, KeyedVerifier()).generate([1, 2, 3], 4, sampling=SamplingParams(1.0, seed=0))
 
@@ -147,7 +152,6 @@ def run_keyed(args: argparse.Namespace) -> dict[str, Any]:
         ("plain", None, KeyedVerifier()),
         ("rejection, EAGLE greedy drafts", Uncoupled(eagle), RejectionVerifier()),
         ("rejection, EAGLE sampled drafts", eagle, RejectionVerifier()),
-        ("GBV, EAGLE sampled drafts", eagle, BlockVerifier()),
         ("keyed, EAGLE coupled drafts", eagle, KeyedVerifier()),
     ):
         chat_rows[name], outs[name] = _measure(engine(drafter, verifier), chat, f"chat {name}")
@@ -158,13 +162,16 @@ def run_keyed(args: argparse.Namespace) -> dict[str, Any]:
 
     relay_rows: dict[str, Any] = {}
     outs = {}
-    for name, verifier in (("plain", KeyedVerifier()), ("rejection, session cache",
-                           RejectionVerifier()), ("GBV, session cache", BlockVerifier()),
+    for name, verifier in (("plain", KeyedVerifier()),
+                           ("rejection, session cache", RejectionVerifier()),
                            ("keyed, session cache", KeyedVerifier())):
-        drafter = None if name == "plain" else SuffixDrafter(SuffixConfig(max_tokens=args.draft))
+        cache = None if name == "plain" else SuffixDrafter(SuffixConfig(
+            max_tokens=args.relay_draft))
         jobs = _relay_jobs(target, args.relay_domains, args.relay_turns, args.relay_cap,
                            args.temperature, tag=name.split(",")[0])
-        relay_rows[name], outs[name] = _measure(engine(drafter, verifier), jobs, f"relay {name}")
+        relay_rows[name], outs[name] = _measure(
+            engine(cache, verifier, EngineConfig(max_draft=args.relay_draft)), jobs,
+            f"relay {name}")
     report["workloads"]["relay"] = _finish(relay_rows, outs)
     return report
 
@@ -182,8 +189,8 @@ def _finish(rows: dict[str, Any], outs: dict[str, list[list[int]]]) -> dict[str,
 def format_keyed(report: dict[str, Any]) -> str:
     """The Markdown table of a keyed report."""
     c = report["config"]
-    lines = [f"Seeded sampling, temperature {c['temperature']}, k = {c['draft']} "
-             f"({report['model']}, fp32):", "",
+    lines = [f"Seeded sampling, temperature {c['temperature']}, k = {c['draft']} (open chat), "
+             f"{c['relay_draft']} (relay) ({report['model']}, fp32):", "",
              "| workload | method | tokens/s | vs plain | mean accepted len | forwards/1k "
              "| identical to plain keyed |", "|---|---|---|---|---|---|---|"]
     for workload, rows in report["workloads"].items():
