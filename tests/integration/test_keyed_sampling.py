@@ -62,9 +62,10 @@ def test_same_seed_same_tokens_with_every_drafter_fresh_and_warm(
     assert drafted["suffix", "warm"] > drafted["suffix", "fresh"]
     assert drafted["prompt_lookup", "fresh"] > 0
     assert drafted["model", "fresh"] + drafted["model", "warm"] > 0
-    # Another seed gives another sample (the seed is not ignored).
+    # Another seed gives another sample (the seed is not ignored): with seed 1 the model
+    # writes a different JSON object (seed 8 happens to copy the prompt too).
     other = AgentSpec(name="keyed-ref", drafting=DraftingPolicy(method="none"),
-                      verifier=VerifierPolicy(temperature=0.7, seed=8))
+                      verifier=VerifierPolicy(temperature=0.7, seed=1))
     assert runtime.chat(MESSAGES, spec=other, max_tokens=MAX_TOKENS).tokens != reference.tokens
 
 
