@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -306,7 +306,8 @@ class SpeculativeDecoder:
         generated: list[int] = []
         finish: str | None = None
         while finish is None:
-            ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid)
+            ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid,
+                               sampling)
             room = max_tokens - len(generated) - 1  # the verifier always adds one token
             t0 = time.perf_counter()
             step = self._step(ctx, min(self.config.max_draft, room), sampling, rng)
@@ -356,7 +357,9 @@ class SpeculativeDecoder:
     ) -> Step:
         """Draft, score and verify one step; leave the cache holding pending + accepted."""
         t0 = time.perf_counter()
-        draft = self._propose(ctx, max_draft)
+        # Row 0 of the verify logits predicts output position len(generated): keyed
+        # (seeded) verification draws each row's noise by its position.
+        draft = replace(self._propose(ctx, max_draft), position=len(ctx.generated))
         draft_s = time.perf_counter() - t0
         pending = ctx.tokens[-1]
         grammar = self._constraint

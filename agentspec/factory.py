@@ -30,6 +30,7 @@ from agentspec.interfaces import BatchTarget, Drafter, Verifier
 from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.spec import AgentSpec
 from agentspec.verifiers import MultiDraftVerifier, build_verifier
+from agentspec.verifiers.keyed import KeyedVerifier
 
 if TYPE_CHECKING:
     from agentspec.ledger import RegretLedger
@@ -137,8 +138,11 @@ def build_engine(
                 f"verifier.num_drafts={v.num_drafts}: the target {type(target).__name__} "
                 "cannot score K drafts in one forward (no score_batch / select_row)"
             )
+        # Seeded sampled requests keep the keyed guarantee (same seed, same tokens) over K
+        # drafts too; unseeded ones get SpecTr-GBV.
         return MultiDraftDecoder(
-            target, IIDDrafts(drafter), MultiDraftVerifier(), num_drafts=v.num_drafts,
+            target, IIDDrafts(drafter), KeyedVerifier(MultiDraftVerifier()),
+            num_drafts=v.num_drafts,
             decode=decode, eos_token_ids=eos_token_ids, config=engine_config(spec),
         )
     return SpeculativeDecoder(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from agentspec.errors import ConfigError
 from agentspec.interfaces import BatchTarget, FeatureDrafter, FeatureTarget, MultiDrafter
 from agentspec.sampling import default_generator
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
+from agentspec.verifiers.keyed import KeyedVerifier
 from agentspec.verifiers.multi_draft import MultiDraftVerifier
 
 __all__ = ["BatchTarget", "MultiDraftDecoder", "MultiDrafter"]
@@ -38,7 +40,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
     Args:
         target: The model being accelerated (with ``score_batch``).
         drafter: Source of K i.i.d. drafts.
-        verifier: Multi-draft verification rule (lossless SpecTr-GBV style by default).
+        verifier: Multi-draft verification rule (lossless SpecTr-GBV style by default;
+            ``KeyedVerifier(MultiDraftVerifier())`` keeps seeded requests reproducible).
         num_drafts: K.
         decode: Token ids -> text (stop strings, streaming).
         eos_token_ids: Tokens that end a request.
@@ -51,7 +54,7 @@ class MultiDraftDecoder(SpeculativeDecoder):
         self,
         target: BatchTarget,
         drafter: MultiDrafter,
-        verifier: MultiDraftVerifier | None = None,
+        verifier: MultiDraftVerifier | KeyedVerifier | None = None,
         num_drafts: int = 2,
         decode: Decode | None = None,
         eos_token_ids: Sequence[int] = (),
@@ -94,9 +97,11 @@ class MultiDraftDecoder(SpeculativeDecoder):
         """K drafts, one batched forward, one verification (see the module docstring)."""
         assert rng is not None  # _request_rng always makes one
         t0 = time.perf_counter()
-        drafts = self._propose_many(ctx, max_draft, rng)
+        position = len(ctx.generated)  # output position of verify-logits row 0
+        drafts = [replace(d, position=position)
+                  for d in self._propose_many(ctx, max_draft, rng)]
         draft_s = time.perf_counter() - t0
-        result, k, source = self._verify(ctx.tokens[-1], drafts, sampling, rng)
+        result, k, source = self._verify(ctx.tokens[-1], drafts, sampling, rng, position)
         return Step(result, k, source, draft_s)
 
     def _propose_many(
@@ -113,12 +118,14 @@ class MultiDraftDecoder(SpeculativeDecoder):
         return drafts
 
     def _verify(
-        self, pending: int, drafts: list[Draft], sampling: SamplingParams, rng: torch.Generator
+        self, pending: int, drafts: list[Draft], sampling: SamplingParams,
+        rng: torch.Generator, position: int = 0,
     ) -> tuple[VerifyResult, int, str]:
         """Score and verify one step; leave the cache holding pending + accepted tokens."""
         if not drafts:  # plain decoding step
             logits = self.target.score([pending])  # [1, V]
-            return self.multi_verifier.verify(Draft(), logits, sampling, rng), 0, "none"
+            plain = Draft(position=position)
+            return self.multi_verifier.verify(plain, logits, sampling, rng), 0, "none"
         k = len(drafts[0].tokens)
         logits = self.batch_target.score_batch([[pending, *d.tokens] for d in drafts])
         out = self.multi_verifier.verify_many(drafts, logits, sampling, rng)  # [K, k+1, V]

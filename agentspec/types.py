@@ -101,6 +101,9 @@ class DraftContext:
             drafters key per-request state by it, so concurrent requests of one session
             keep separate state; ``None``: they fall back to guessing from ``step`` and
             the tokens.
+        sampling: The request's sampling parameters (``None``: unknown, e.g. outside the
+            engine). A seeded sampled request lets a model drafter draw with the same
+            position-keyed noise as the keyed verifier (a Gumbel coupling).
     """
 
     tokens: Sequence[int]
@@ -108,6 +111,7 @@ class DraftContext:
     session: SessionRef | None = None
     step: int = 0
     request_id: str | None = None
+    sampling: SamplingParams | None = None
 
     @property
     def generated(self) -> Sequence[int]:
@@ -131,6 +135,9 @@ class Draft:
         score: Drafter's own confidence (e.g. suffix-tree frequency mass).
         match_len: Length of the context suffix that matched (cache drafters).
         source: Name of the drafter that produced it.
+        position: Output position of the token that verify-logits row 0 predicts (the
+            first draft token's), i.e. the tokens generated before this draft. The engine
+            sets it; position-keyed sampling draws that row's noise by it.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -139,6 +146,7 @@ class Draft:
     score: float = 0.0
     match_len: int = 0
     source: str = "none"
+    position: int = 0
 
     def __post_init__(self) -> None:
         if self.parents is not None:
@@ -185,7 +193,8 @@ class Draft:
             return self
         probs = self.probs[:n] if self.probs is not None else None
         parents = self.parents[:n] if self.parents is not None else None
-        return Draft(self.tokens[:n], parents, probs, self.score, self.match_len, self.source)
+        return Draft(self.tokens[:n], parents, probs, self.score, self.match_len, self.source,
+                     self.position)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ and measures:
   1,000 tokens, next to plain sampling (no drafter) in the same run.
 
 Timings are ratios measured in one process: run it on a quiet machine.
+
+``--keyed`` runs the seeded-sampling comparison instead (:mod:`workflows.bench_keyed`):
+position-keyed verification next to rejection sampling, speed-up over plain
+sampling on the DELEGATE-52 relay and open chat, and whether the tokens reproduce.
 """
 
 from __future__ import annotations
@@ -185,7 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds per prompt (default 3)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--keyed", action="store_true",
+                   help="seeded sampling: keyed vs rejection on relay and open chat")
+    p.add_argument("--relay-domains", type=int, default=1, help="--keyed: relays (default 1)")
+    p.add_argument("--relay-turns", type=int, default=2, help="--keyed: turns per relay")
+    p.add_argument("--relay-draft", type=int, default=16,
+                   help="--keyed: longest session-cache draft on the relay (default 16)")
+    p.add_argument("--relay-cap", type=int, default=160,
+                   help="--keyed: most tokens per relay turn (default 160)")
     args = p.parse_args(argv)
+    if args.keyed:
+        from workflows.bench_keyed import format_keyed, run_keyed
+
+        keyed = run_keyed(args)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(keyed, indent=1))
+        print(format_keyed(keyed))
+        return 0
     report = run(args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ import torch
 
 from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
 from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.sampling import request_key
 from agentspec.types import Draft, DraftContext
 
 __all__ = [
@@ -233,7 +234,9 @@ class DistilledDrafter(ModelDrafter):
         accepted tokens is sum_i prod_{j<=i} p_j (a token counts only if all before it do).
         Greedy drafts stop early when p_i < ``stop_below``.
         """
-        if not self.config.sampling().greedy:
+        # Sampled drafts, and seeded sampled requests (keyed, coupled drafts), are the
+        # model drafter's.
+        if not self.config.sampling().greedy or request_key(ctx.sampling) is not None:
             return super().propose(ctx, max_tokens)
         k = self._draft_len(ctx, max_tokens)
         if k == 0:

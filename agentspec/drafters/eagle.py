@@ -17,8 +17,12 @@ Drafting stops early when the head's top draft probability falls below
 likely rejected, and every later token with it).
 
 Drafts are greedy point masses (``probs=None``); lossless sampling verifiers accept them
-with the right probabilities. Without features (a target that cannot give them, or a
-desynchronised stream) the drafter drafts nothing rather than guessing.
+with the right probabilities. Seeded sampled requests (``ctx.sampling`` with a seed) are
+drafted instead with the position-keyed noise of the keyed verifier over the head's draft
+vocabulary, under the request's temperature / top-k / top-p (a Gumbel coupling with the
+target's keyed sample; ``probs`` ``[k, V]`` filled, zero outside the draft vocabulary).
+Without features (a target that cannot give them, or a desynchronised stream) the drafter
+drafts nothing rather than guessing.
 
 Artifacts: one safetensors file, the head's tensors in fp16, ``draft_vocab`` as an int32
 tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`:
@@ -33,10 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from agentspec.drafters.eagle_head import EagleHead, HeadCache, HeadSpec
 from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["EagleConfig", "EagleDrafter", "build_head", "eagle_path", "load_default_eagle",
@@ -78,6 +84,8 @@ class EagleDrafter:
         self.forwards = 0
         spec = head.spec
         self._ids = torch.tensor(spec.draft_vocab, dtype=torch.long)  # [N] -> full vocab id
+        self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
+        self._vocab = spec.target_vocab
         self._cache = HeadCache(spec.kv_heads, spec.head_dim)
         self._feats: list[torch.Tensor] = []  # committed feature rows not yet in the cache
         self._n_feats = 0  # positions 0 .. n_feats-1 have features
@@ -113,6 +121,10 @@ class EagleDrafter:
         tokens = ctx.tokens
         if k < 1 or not self._in_sync or self._n_feats != len(tokens) - 1:
             return Draft(source=self.name)
+        key = request_key(ctx.sampling)
+        noise = None if key is None else row_keys(key, range(len(ctx.generated),
+                                                             len(ctx.generated) + k))
+        rows: list[torch.Tensor] = []
         with torch.inference_mode():
             last = self._catch_up(tokens)
             if last is None:
@@ -128,6 +140,10 @@ class EagleDrafter:
                         torch.exp(top - torch.logsumexp(logits, dim=-1)))
                         < self.config.min_confidence):
                     break
+                if noise is not None and ctx.sampling is not None:  # coupled keyed draw
+                    dist = process_logits(logits[None], ctx.sampling)  # [1, N]
+                    j = keyed_choice(dist, noise[len(draft) : len(draft) + 1], self._ids_np)[0]
+                    rows.append(torch.zeros(self._vocab).index_copy_(0, self._ids, dist[0]))
                 draft.append(int(self._ids[int(j)]))
                 if len(draft) >= k:
                     break
@@ -136,7 +152,8 @@ class EagleDrafter:
                 self.forwards += 1
                 last, pos = out[0, -1], pos + 1
             self._cache.crop(base)  # drafted pairs were speculative
-        return Draft(tokens=draft, source=self.name)
+        probs = torch.stack(rows) if rows else None  # [k, V]
+        return Draft(tokens=draft, probs=probs, source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Nothing: the committed rows arrive through :meth:`observe_features`."""

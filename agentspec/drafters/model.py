@@ -9,6 +9,14 @@ verifier's token), so a step costs about ``k`` one-token forwards of the drafter
 Drafts are greedy (deterministic: ``probs=None``, point masses for the verifier) or sampled
 from :func:`agentspec.sampling.process_logits` of the drafter's logits, with ``probs``
 ``[k, V]`` filled so lossless sampling verifiers can form ``p / q``.
+
+Seeded sampled requests (``ctx.sampling`` with a seed) are drafted with the position-keyed
+noise the keyed verifier uses (:func:`agentspec.sampling.keyed_choice`), under the
+request's own temperature / top-k / top-p, whatever the drafter's config says: draft token
+``i`` is ``argmin_v E_{seed,t+i}(v) / q(v)`` while the target's sample is the same race over
+``p``. This Gumbel coupling makes draft and target agree as often as the two distributions
+allow; each draft is still an exact sample from ``q`` (``probs`` filled), so any lossless
+verifier may check it.
 :meth:`ModelDrafter.propose_many` draws K i.i.d. sampled drafts in one batched pass (the
 cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
 """
@@ -23,7 +31,7 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError
-from agentspec.sampling import process_logits, sample
+from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys, sample
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
 
@@ -116,7 +124,10 @@ class ModelDrafter:
         k = self._draft_len(ctx, max_tokens)
         if k == 0:
             return Draft(source=self.name)
-        sampling = self.config.sampling()
+        key = request_key(ctx.sampling)
+        sampling = ctx.sampling if key is not None and ctx.sampling else self.config.sampling()
+        noise = None if key is None else row_keys(key, range(len(ctx.generated),
+                                                             len(ctx.generated) + k))
         logits = self._sync(ctx.tokens)  # [V]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -125,7 +136,10 @@ class ModelDrafter:
                 tok = int(logits.argmax())
             else:
                 dist = process_logits(logits, sampling)  # [V]
-                tok = int(sample(dist, self._request_rng or self._rng))
+                if noise is not None:  # the keyed sample of the drafter's law (coupling)
+                    tok = int(keyed_choice(dist[None], noise[i : i + 1])[0])
+                else:
+                    tok = int(sample(dist, self._request_rng or self._rng))
                 rows.append(dist)
             tokens.append(tok)
             if i < k - 1:  # the last token's successor is never needed
@@ -139,11 +153,15 @@ class ModelDrafter:
     ) -> list[Draft]:
         """Draw ``num_drafts`` i.i.d. sampled drafts of equal length in one batched pass.
 
+        For a seeded request the first draft is the keyed (coupled) one, the others are
+        drawn from ``rng``: K copies of the coupled draft would all be the same.
+
         Raises:
             ConfigError: the drafter is greedy (K identical drafts help nobody) or
                 ``num_drafts < 1``.
         """
-        sampling = self.config.sampling()
+        key = request_key(ctx.sampling)
+        sampling = ctx.sampling if key is not None and ctx.sampling else self.config.sampling()
         if sampling.greedy:
             raise ConfigError("propose_many needs a sampling drafter (temperature > 0)")
         if num_drafts < 1:
@@ -151,6 +169,8 @@ class ModelDrafter:
         k = self._draft_len(ctx, max_tokens)
         if k == 0:
             return []
+        noise = None if key is None else row_keys(key, range(len(ctx.generated),
+                                                             len(ctx.generated) + k))
         logits = self._sync(ctx.tokens)[None].expand(num_drafts, -1)  # [K, V]
         base = len(self._cached)
         self._cache.batch_repeat_interleave(num_drafts)  # one cache row per draft
@@ -159,6 +179,8 @@ class ModelDrafter:
             for i in range(k):
                 dist = process_logits(logits, sampling)  # [K, V]
                 tok = sample(dist, rng)  # [K]
+                if noise is not None:  # draft 0 is coupled with the keyed target sample
+                    tok[0] = keyed_choice(dist[:1], noise[i : i + 1])[0]
                 tokens.append(tok)
                 rows.append(dist)
                 if i < k - 1:

@@ -7,11 +7,14 @@ GreedyVerifier     longest argmax-matching prefix (temperature 0 only)         y
 RejectionVerifier  token-level speculative rejection sampling                  yes
 BlockVerifier      greedy block verification, GBV (default sampling rule)      yes
 MultiDraftVerifier GBV chained over K i.i.d. drafts (SpecTr-GBV style)         yes
+KeyedVerifier      position-keyed sampling: accept iff draft == keyed sample   yes
 BudgetedVerifier   ASD: greedy with regret-budgeted exceptions                 no
 =================  ==========================================================  ========
 
 The sampling verifiers serve greedy requests with the strict greedy rule, so an agent's
-lossless verifier also serves requests that override the temperature.
+lossless verifier also serves requests that override the temperature. Seeded sampled
+requests are verified by :class:`KeyedVerifier` (same seed, same tokens, whatever was
+drafted); unseeded ones by the policy's sampler.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 from agentspec.verifiers.block import BlockVerifier
 from agentspec.verifiers.budgeted import BudgetConfig, BudgetedVerifier
 from agentspec.verifiers.greedy import GreedyVerifier
+from agentspec.verifiers.keyed import KeyedVerifier
 from agentspec.verifiers.multi_draft import MultiDraftVerifier, MultiVerifyResult
 from agentspec.verifiers.rejection import RejectionVerifier
 
@@ -34,6 +38,7 @@ __all__ = [
     "BudgetConfig",
     "BudgetedVerifier",
     "GreedyVerifier",
+    "KeyedVerifier",
     "MultiDraftVerifier",
     "MultiVerifyResult",
     "RejectionVerifier",
@@ -50,13 +55,16 @@ _SAMPLERS: dict[str, type[RejectionVerifier | BlockVerifier | MultiDraftVerifier
 def build_verifier(policy: VerifierPolicy, ledger: RegretLedger | None = None) -> Verifier:
     """The verifier an agent's policy asks for.
 
-    * ``lossless``: the policy's sampler (GBV by default); greedy requests go through the
-      strict greedy rule inside it, so the output is token-identical to greedy decoding.
+    * ``lossless``: seeded sampled requests are verified with position-keyed sampling
+      (:class:`KeyedVerifier`: the seeded non-speculative sample, whatever the drafter and
+      the session's history); unseeded ones with the policy's sampler (GBV by default);
+      greedy requests with the strict greedy rule, token-identical to greedy decoding.
+      With ``num_drafts > 1`` the factory (:func:`agentspec.factory.build_engine`) runs
+      ``MultiDraftDecoder``; with one draft the ``multi_draft`` sampler verifies it with GBV.
     * ``budgeted``: ASD with the policy's B, g, M and budget scope, charging the regret
       ledger (``ledger``, or the process-wide default file under ``AGENTSPEC_HOME``).
-      With ``num_drafts > 1`` the factory (:func:`agentspec.factory.build_engine`) runs
-      ``MultiDraftDecoder`` with its own :class:`MultiDraftVerifier`; with one draft the
-      ``multi_draft`` sampler verifies it with GBV.
+      Sampled requests that override the temperature are verified as under ``lossless``
+      (keyed when seeded, GBV otherwise).
     """
     if policy.mode == "budgeted":
         from agentspec.ledger import RegretLedger
@@ -66,4 +74,4 @@ def build_verifier(policy: VerifierPolicy, ledger: RegretLedger | None = None) -
             scope=policy.budget_scope,
         )
         return BudgetedVerifier(config, ledger or RegretLedger.default())
-    return _SAMPLERS[policy.sampler]()
+    return KeyedVerifier(_SAMPLERS[policy.sampler]())

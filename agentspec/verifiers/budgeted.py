@@ -24,7 +24,12 @@ token-identical to strict greedy decoding (tested). Regret is charged to a per-r
 running total and, with a :class:`~agentspec.ledger.RegretLedger`, to the session's
 persisted account; with ``scope="session"`` the budget caps the session's lifetime spend.
 Sampled requests (temperature > 0) are verified losslessly by the fallback sampler: ASD
-is a relaxation of greedy decoding only.
+is a relaxation of greedy decoding only. The default fallback is
+:class:`~agentspec.verifiers.keyed.KeyedVerifier`, so a *seeded* sampled request sent to a
+budgeted agent reproduces exactly (same tokens with any drafter) and spends no regret; an
+unseeded one is verified by GBV. The reverse does not hold: greedy requests under ASD with
+B > 0 may accept exceptions, and which ones depends on the drafts, so ASD output is
+reproducible only for the same drafts (B = 0 is strict greedy, drafter-independent).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from agentspec.interfaces import Verifier
 from agentspec.ledger import RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
 from agentspec.verifiers.block import BlockVerifier
+from agentspec.verifiers.keyed import KeyedVerifier
 from agentspec.verifiers.rejection import check_rows
 
 __all__ = ["AsdOutcome", "BudgetConfig", "BudgetedVerifier", "asd_accept"]
@@ -127,7 +133,8 @@ class BudgetedVerifier:
     Args:
         config: B, g, M and the budget scope.
         ledger: Where exceptions are recorded per session (``None``: not persisted).
-        sampler: Lossless verifier for sampled requests (GBV by default).
+        sampler: Lossless verifier for sampled requests (default: position-keyed for seeded
+            requests, GBV for unseeded ones).
 
     Call :meth:`begin_request` at the start of every request (the engine does): it resets
     the request's running total and names the ledger account.
@@ -144,7 +151,7 @@ class BudgetedVerifier:
     ) -> None:
         self.config = config or BudgetConfig()
         self.ledger = ledger
-        self.sampler: Verifier = sampler or BlockVerifier()
+        self.sampler: Verifier = sampler or KeyedVerifier(BlockVerifier())
         self.session: SessionRef | None = None
         self.spent = 0.0  # regret charged against B so far (request or session)
         self.request_regret = 0.0
