@@ -55,7 +55,7 @@ def test_function_calling_forces_the_schema_tool() -> None:
     assert out == City(name="Rome", population=2)
     assert rt.calls[0]["tool_choice"] == "City"
     assert [t["function"]["name"] for t in rt.calls[0]["tools"]] == ["City"]
-    assert "response_format" not in rt.calls[0]
+    assert rt.calls[0].get("response_format") is None
 
 
 def test_include_raw_and_dict_schema() -> None:
