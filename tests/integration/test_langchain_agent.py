@@ -74,15 +74,21 @@ def test_tool_call_text_is_drafted_from_the_session_cache() -> None:
     question = "What is the population of Paris?"
     first = bound.invoke(question, session_id="cache-a")
     again = bound.invoke(question, session_id="cache-a")
-    other = bound.invoke(question, session_id="cache-b")
+    # The default scope is the tenant: another session of the tenant drafts from it too.
+    sibling = bound.invoke(question, session_id="cache-b")
+    # The same session id under another tenant sees nothing of it.
+    foreign = ChatAgentSpec(store=False, max_tokens=48, return_token_ids=True,
+                            tenant="lc-other").bind_tools(
+        [get_population], tool_choice="get_population").invoke(question, session_id="cache-a")
     assert first.tool_calls or first.invalid_tool_calls  # a (forced) tool call was produced
-    ids = [m.response_metadata["token_ids"] for m in (first, again, other)]
-    assert ids[0] == ids[1] == ids[2]
-    stats = [m.response_metadata["speculative"] for m in (first, again, other)]
-    # The repeat drafts the whole call from the session's history (forced prefix included);
-    # another session cannot see that history.
-    assert stats[1]["forwards"] <= max(2, stats[1]["generated_tokens"] // 4)
-    assert stats[2]["forwards"] > stats[1]["forwards"]
+    msgs = (first, again, sibling, foreign)
+    ids = [m.response_metadata["token_ids"] for m in msgs]
+    assert ids[0] == ids[1] == ids[2] == ids[3]
+    stats = [m.response_metadata["speculative"] for m in msgs]
+    # The repeat drafts the whole call from the cache's history (forced prefix included).
+    for warm in (stats[1], stats[2]):
+        assert warm["forwards"] <= max(2, warm["generated_tokens"] // 4)
+    assert stats[3]["forwards"] > stats[1]["forwards"]
 
 
 def test_create_agent_runs_tools_in_one_session() -> None:
