@@ -86,7 +86,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         rt.shutdown()
     if stats_file.is_file():  # only agentspec's proposer writes it
-        extra["proposer"] = json.loads(stats_file.read_text())
+        extra["proposer_stats"] = json.loads(stats_file.read_text())
     return {"config": name, "method": method, "proposer": proposer, "payoff": payoff,
             "start_s": round(start_s, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
             "concurrency": args.concurrency, "turns": turns, **extra}
@@ -155,7 +155,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "identical": bool(reference) and bool(same) and all(same),
             "concurrency": run.get("concurrency", 1),
             "step_ms_p50": run.get("step_ms_p50"),
-            "proposer_ms_per_step": (run.get("proposer") or {}).get("propose_ms_per_step"),
+            "proposer_ms_per_step": (run.get("proposer_stats") or {}).get("propose_ms_per_step"),
         })
     base = next((r["tokens_per_s"] for r in rows if r["config"] == REFERENCE), 0.0)
     for row in rows:
