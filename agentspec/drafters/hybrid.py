@@ -105,8 +105,10 @@ class HybridDrafter:
         self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
         self._pending: tuple[str, int, float] | None = None  # (source, draft_len, draft_s)
         self._last_source = NONE  # the previous step's source, in this request
-        # (start, full cache draft, raw ŷ) of recent steps: labelled from later tokens.
-        self._shadow: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=_SHADOW_KEEP)
+        # (start, full cache draft, raw ŷ, its score) of recent steps: labelled from later
+        # tokens.
+        self._shadow: deque[tuple[int, tuple[int, ...], float, float]] = deque(
+            maxlen=_SHADOW_KEEP)
 
     # -- the Drafter protocol -------------------------------------------------------------
 
@@ -127,7 +129,8 @@ class HybridDrafter:
         choice = self.policy.choose(cache, model_len, phi)
         self.last_choice = choice
         if cache.tokens and math.isfinite(choice.raw):
-            self._shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw))
+            self._shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw,
+                                 choice.score))
         t0 = time.perf_counter()
         timed = True
         if choice.source == CACHE:
@@ -169,12 +172,12 @@ class HybridDrafter:
         base = self._shadow[0][0]
         committed = list(ctx.tokens[base:]) + list(result.tokens)  # from the oldest start
         while self._shadow:
-            start, draft, raw = self._shadow[0]
+            start, draft, raw, score = self._shadow[0]
             label = full_length_label(draft, committed[start - base:])
             if label is None:  # drafts start in order: later ones are not due either
                 break
             self._shadow.popleft()
-            self.policy.outcome(raw, label)
+            self.policy.outcome(raw, label, score)
 
     def finish(self, ctx: DraftContext) -> None:
         """Forward to both sub-drafters; the request's step history ends."""

@@ -4,6 +4,7 @@ failing clearly without a trained drafter."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import ClassVar
 
@@ -218,7 +219,7 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
         def update(self, source, draft_len, accepted, draft_s):  # type: ignore[no-untyped-def]
             pass
 
-        def outcome(self, raw, accepted):  # type: ignore[no-untyped-def]
+        def outcome(self, raw, accepted, score=math.nan):  # type: ignore[no-untyped-def]
             self.outcomes.append((raw, accepted))
 
     class Recording(HybridDrafter):
@@ -243,8 +244,8 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
     policy.outcomes.clear()
     out = eng.generate(prompt, max_tokens=40, session=SessionRef("s"))
     final = prompt + list(out.tokens)
-    expected = [full_length_label(d, final[start:]) for start, d, _ in Recording.shadows]
+    expected = [full_length_label(d, final[start:]) for start, d, *_ in Recording.shadows]
     known = expected[: expected.index(None)] if None in expected else expected
     assert len(known) >= 3 and max(known) > 1  # more than the one verified token
-    assert policy.outcomes == [(raw, y) for (_, _, raw), y in zip(Recording.shadows, known,
+    assert policy.outcomes == [(raw, y) for (_, _, raw, _), y in zip(Recording.shadows, known,
                                                                  strict=False)]

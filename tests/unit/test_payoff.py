@@ -392,3 +392,35 @@ def test_cost_aware_policy_calibrates_the_predictor_online() -> None:
     assert under.calibration > 2.0
     with pytest.raises(ValueError, match="calibration"):
         CostAwarePolicy(constant_predictor(1.0), cost, calibration_decay=0.0)
+
+
+def test_cost_aware_policy_falls_back_to_the_cache_score_when_the_predictor_is_off() -> None:
+    """A predictor that cannot rank drafts (here: the same ŷ for drafts that copy 20
+    tokens and drafts that miss at once), which no scale factor fixes, loses to the cache's
+    own score once the score has been the better estimate; the whole 20-token draft is then
+    verified again. While the predictor is the better estimate, it is used."""
+    good = Draft(tokens=list(range(20)), score=18.0, match_len=30, source="suffix")
+    bad = Draft(tokens=list(range(20)), score=0.5, match_len=1, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+
+    def cost(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    policy = CostAwarePolicy(constant_predictor(3.0), cost)
+    assert policy.estimator == "predictor"
+    policy.outcome(3.0, 20)  # no score given: the predictor keeps the gate
+    assert policy.estimator == "predictor"
+    for _ in range(10):
+        policy.outcome(3.0, 20, good.score)
+        policy.outcome(3.0, 0, bad.score)
+    assert policy.estimator == "score"
+    choice = policy.choose(good, 2, phi)
+    assert choice.source == "cache" and choice.length == 20 and choice.predicted > 15
+    assert choice.raw == 3.0 and choice.score == 18.0
+    assert policy.choose(bad, 2, phi).predicted < 1.0
+
+    trusted = CostAwarePolicy(constant_predictor(10.0), cost)
+    for _ in range(10):  # the predictor is exact, the score is not
+        trusted.outcome(10.0, 10, 2.0)
+        trusted.outcome(10.0, 10, 19.0)
+    assert trusted.estimator == "predictor"
