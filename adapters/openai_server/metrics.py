@@ -1,4 +1,4 @@
-"""Prometheus metrics of the server, in the text exposition format (written by hand).
+"""Prometheus metrics of the server, exposed with ``prometheus_client``.
 
 Speculative-decoding counters follow vLLM's names with agentspec's prefix, so dashboards
 built for vLLM's ``spec_decode`` metrics work after a prefix change:
@@ -11,14 +11,23 @@ built for vLLM's ``spec_decode`` metrics work after a prefix change:
 
 Labels carry no tenant: ``/metrics`` is scraped without a key, and tenant names are the
 operator's business, not every scraper's.
+
+Every :class:`Metrics` has its own :class:`~prometheus_client.CollectorRegistry` (several
+apps may live in one process, each with its own numbers), and its exposition has no
+``_created`` samples: they are dropped by this module's collector rather than with
+``prometheus_client.disable_created_metrics()``, which would change every other registry
+in the process too (vLLM's, for one).
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
-from collections import Counter
 from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from agentspec.types import RequestStats
 
@@ -26,52 +35,23 @@ PREFIX = "agentspec:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
-def escape_label(value: str) -> str:
-    """Escape a label value for the exposition format (backslash, quote, newline)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _WithoutCreated(Collector):
+    """Collects the given metrics, leaving out their ``_created`` samples."""
 
+    def __init__(self, metrics: Iterable[MetricWrapperBase]) -> None:
+        self._metrics = list(metrics)
 
-def format_labels(labels: dict[str, str]) -> str:
-    """``{a="x",b="y"}`` (empty string for no labels)."""
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items()) + "}"
-
-
-def _num(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-class Histogram:
-    """A cumulative-bucket histogram (observations in seconds)."""
-
-    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
-        self.bounds = sorted(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last slot is +Inf
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        """Add one observation."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str, labels: dict[str, str]) -> list[str]:
-        """The ``_bucket``/``_sum``/``_count`` sample lines."""
-        out, running = [], 0
-        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            running += count
-            out.append(f"{name}_bucket{format_labels({**labels, 'le': _num(bound)})} {running}")
-        out.append(f"{name}_sum{format_labels(labels)} {_num(self.total)}")
-        out.append(f"{name}_count{format_labels(labels)} {self.n}")
-        return out
+    def collect(self) -> Iterable[Metric]:
+        """Each metric's family, ``_created`` samples removed."""
+        for metric in self._metrics:
+            for family in metric.collect():
+                created = family.name + "_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                yield family
 
 
 class Metrics:
-    """Thread-safe counters of a server; :meth:`render` writes the exposition text.
+    """Thread-safe metrics of a server; :meth:`render` writes the exposition text.
 
     Args:
         model_name: Value of the ``model_name`` label on every sample.
@@ -79,20 +59,54 @@ class Metrics:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # a scrape sees whole requests, never half of one
         self.running = 0
         self.waiting = 0
-        self.requests: Counter[str] = Counter()  # finish reason -> finished requests
-        self.errors: Counter[int] = Counter()  # HTTP status -> error responses
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.forwards = 0
-        self.drafts = 0
-        self.draft_tokens = 0
-        self.accepted_tokens = 0
-        self.accepted_per_pos: Counter[int] = Counter()
-        self.e2e = Histogram()
-        self.ttft = Histogram()
+        m = ("model_name",)
+
+        def counter(name: str, help_: str, *labels: str) -> Counter:
+            return Counter(PREFIX + name, help_, (*m, *labels), registry=None)
+
+        def histogram(name: str, help_: str) -> Histogram:
+            return Histogram(PREFIX + name, help_, m, buckets=LATENCY_BUCKETS, registry=None)
+
+        running = Gauge(PREFIX + "num_requests_running", "Requests generating now.", m,
+                        registry=None)
+        waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for the model.", m,
+                        registry=None)
+        running.labels(model_name).set_function(lambda: self.running)
+        waiting.labels(model_name).set_function(lambda: self.waiting)
+        # Labelled by a value only known later: a sample appears once its value first occurs.
+        self._requests = counter("request_success", "Finished requests by finish reason.",
+                                 "finished_reason")
+        self._errors = counter("http_errors", "Error responses by HTTP status.", "status")
+        self._accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Drafts whose token at this position was accepted.",
+                                         "position")
+        prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        generation_tokens = counter("generation_tokens", "Tokens generated.")
+        forwards = counter("target_forwards", "Target model forward passes in decoding.")
+        drafts = counter("spec_decode_num_drafts", "Decode steps that verified a draft.")
+        draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        e2e = histogram("e2e_request_latency_seconds",
+                        "End-to-end request latency, queueing included.")
+        ttft = histogram("time_to_first_token_seconds",
+                         "Time to the first streamed delta, queueing included.")
+        # Unlabelled but for the model: present (at 0) from the start.
+        self._prompt_tokens = prompt_tokens.labels(model_name)
+        self._generation_tokens = generation_tokens.labels(model_name)
+        self._forwards = forwards.labels(model_name)
+        self._drafts = drafts.labels(model_name)
+        self._draft_tokens = draft_tokens.labels(model_name)
+        self._accepted_tokens = accepted.labels(model_name)
+        self._e2e = e2e.labels(model_name)
+        self._ttft = ttft.labels(model_name)
+        self.registry = CollectorRegistry()
+        self.registry.register(_WithoutCreated([
+            running, waiting, self._requests, self._errors, prompt_tokens, generation_tokens,
+            forwards, drafts, draft_tokens, accepted, self._accepted_per_pos, e2e, ttft,
+        ]))
 
     def queued(self, delta: int) -> None:
         """A request entered (+1) or left (-1) the generation queue."""
@@ -107,17 +121,17 @@ class Metrics:
     def first_token(self, seconds: float) -> None:
         """Record a streaming request's time to its first generated delta."""
         with self._lock:
-            self.ttft.observe(seconds)
+            self._ttft.observe(seconds)
 
     def error(self, status: int) -> None:
         """Count an error response."""
         with self._lock:
-            self.errors[status] += 1
+            self._errors.labels(self.model_name, str(status)).inc()
 
     def aborted(self) -> None:
         """Count a streamed request whose client left before it finished."""
         with self._lock:
-            self.requests["abort"] += 1
+            self._requests.labels(self.model_name, "abort").inc()
 
     def finished(self, stats: RequestStats, finish_reason: str, seconds: float) -> None:
         """Add a finished request's numbers.
@@ -127,67 +141,30 @@ class Metrics:
             finish_reason: ``stop``, ``length``, ``tool_calls`` or ``abort``.
             seconds: End-to-end latency as the server saw it (queueing included).
         """
+        drafts = draft_tokens = accepted_tokens = 0
+        per_pos: dict[int, int] = {}
+        for step in stats.steps:
+            if step.draft_len <= 0:
+                continue
+            drafts += 1
+            draft_tokens += step.draft_len
+            accepted = min(step.accepted, step.draft_len)
+            accepted_tokens += accepted
+            for pos in range(accepted):
+                per_pos[pos] = per_pos.get(pos, 0) + 1
         with self._lock:
-            self.requests[finish_reason] += 1
-            self.prompt_tokens += stats.prompt_tokens
-            self.generation_tokens += stats.generated_tokens
-            self.forwards += stats.forwards
-            for step in stats.steps:
-                if step.draft_len <= 0:
-                    continue
-                self.drafts += 1
-                self.draft_tokens += step.draft_len
-                accepted = min(step.accepted, step.draft_len)
-                self.accepted_tokens += accepted
-                for pos in range(accepted):
-                    self.accepted_per_pos[pos] += 1
-            self.e2e.observe(seconds)
+            self._requests.labels(self.model_name, finish_reason).inc()
+            self._prompt_tokens.inc(stats.prompt_tokens)
+            self._generation_tokens.inc(stats.generated_tokens)
+            self._forwards.inc(stats.forwards)
+            self._drafts.inc(drafts)
+            self._draft_tokens.inc(draft_tokens)
+            self._accepted_tokens.inc(accepted_tokens)
+            for pos, n in sorted(per_pos.items()):
+                self._accepted_per_pos.labels(self.model_name, str(pos)).inc(n)
+            self._e2e.observe(seconds)
 
     def render(self) -> str:
-        """The Prometheus text exposition (format 0.0.4) of every metric."""
-        m = {"model_name": self.model_name}
-        out: list[str] = []
-
-        def family(name: str, kind: str, help_: str, samples: list[str]) -> None:
-            out.append(f"# HELP {PREFIX}{name} {help_}")
-            out.append(f"# TYPE {PREFIX}{name} {kind}")
-            out.extend(samples)
-
-        def sample(name: str, value: float, **labels: str) -> str:
-            return f"{PREFIX}{name}{format_labels({**m, **labels})} {_num(value)}"
-
+        """The Prometheus text exposition of every metric (``CONTENT_TYPE_LATEST``)."""
         with self._lock:
-            family("num_requests_running", "gauge", "Requests generating now.",
-                   [sample("num_requests_running", self.running)])
-            family("num_requests_waiting", "gauge", "Requests queued for the model.",
-                   [sample("num_requests_waiting", self.waiting)])
-            family("request_success", "counter", "Finished requests by finish reason.",
-                   [sample("request_success_total", n, finished_reason=reason)
-                    for reason, n in sorted(self.requests.items())])
-            family("http_errors", "counter", "Error responses by HTTP status.",
-                   [sample("http_errors_total", n, status=str(code))
-                    for code, n in sorted(self.errors.items())])
-            family("prompt_tokens", "counter", "Prompt tokens processed.",
-                   [sample("prompt_tokens_total", self.prompt_tokens)])
-            family("generation_tokens", "counter", "Tokens generated.",
-                   [sample("generation_tokens_total", self.generation_tokens)])
-            family("target_forwards", "counter", "Target model forward passes in decoding.",
-                   [sample("target_forwards_total", self.forwards)])
-            family("spec_decode_num_drafts", "counter", "Decode steps that verified a draft.",
-                   [sample("spec_decode_num_drafts_total", self.drafts)])
-            family("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.",
-                   [sample("spec_decode_num_draft_tokens_total", self.draft_tokens)])
-            family("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
-                   [sample("spec_decode_num_accepted_tokens_total", self.accepted_tokens)])
-            top = max(self.accepted_per_pos, default=-1)
-            family("spec_decode_num_accepted_tokens_per_pos", "counter",
-                   "Drafts whose token at this position was accepted.",
-                   [sample("spec_decode_num_accepted_tokens_per_pos_total",
-                           self.accepted_per_pos[p], position=str(p)) for p in range(top + 1)])
-            family("e2e_request_latency_seconds", "histogram",
-                   "End-to-end request latency, queueing included.",
-                   self.e2e.lines(f"{PREFIX}e2e_request_latency_seconds", m))
-            family("time_to_first_token_seconds", "histogram",
-                   "Time to the first streamed delta, queueing included.",
-                   self.ttft.lines(f"{PREFIX}time_to_first_token_seconds", m))
-        return "\n".join(out) + "\n"
+            return generate_latest(self.registry).decode("utf-8")

@@ -9,13 +9,17 @@ Streaming: content is sent as it is generated, except text from a ``<tool_call>`
 (and a tail that could still become one, or trailing whitespace that the final content may
 strip); at the end the remaining content, each tool call whole in one chunk, the finish
 chunk, the optional usage chunk and ``data: [DONE]`` follow. Concatenated deltas equal the
-non-streaming content.
+non-streaming content. Events are :class:`~sse_starlette.ServerSentEvent` objects framed as
+OpenAI frames them (``data: <json>`` and a blank line, ``\\n`` line ends); the app streams
+them with :class:`~sse_starlette.EventSourceResponse`.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from sse_starlette import ServerSentEvent
 
 from adapters.openai_server.schemas import (
     ChatCompletion,
@@ -34,7 +38,8 @@ from adapters.openai_server.schemas import (
 from agentspec.runtime import ChatResult
 
 TOOL_TAG = "<tool_call>"
-DONE = "data: [DONE]\n\n"
+SEP = "\n"  # OpenAI ends SSE lines with "\n" (sse-starlette's default is "\r\n")
+DONE = ServerSentEvent("[DONE]", sep=SEP)
 
 
 def content_of(result: ChatResult, tools_active: bool) -> str | None:
@@ -88,11 +93,11 @@ def completion(
     )
 
 
-def sse(payload: ChatCompletionChunk | dict[str, Any]) -> str:
-    """One server-sent event carrying a JSON payload."""
+def sse(payload: ChatCompletionChunk | dict[str, Any]) -> ServerSentEvent:
+    """One server-sent event carrying a JSON payload (``data: <json>\\n\\n`` on the wire)."""
     body = (payload.model_dump_json() if isinstance(payload, ChatCompletionChunk)
             else json.dumps(payload))
-    return f"data: {body}\n\n"
+    return ServerSentEvent(body, sep=SEP)
 
 
 class ToolTextFilter:
@@ -152,22 +157,22 @@ class ChunkWriter:
         self.include_usage = include_usage
         self.filter = ToolTextFilter(tools_active)
 
-    def _chunk(self, delta: Delta, finish: str | None = None, **extra: Any) -> str:
+    def _chunk(self, delta: Delta, finish: str | None = None, **extra: Any) -> ServerSentEvent:
         return sse(ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model,
             choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra,
         ))
 
-    def start(self) -> str:
+    def start(self) -> ServerSentEvent:
         """The first chunk: the assistant role with empty content."""
         return self._chunk(Delta(role="assistant", content=""))
 
-    def delta(self, text: str) -> str:
-        """A content chunk for a generated delta ("" when nothing is safe to send yet)."""
+    def delta(self, text: str) -> ServerSentEvent | None:
+        """A content chunk for a generated delta (``None`` when nothing is safe to send yet)."""
         new = self.filter.feed(text)
-        return self._chunk(Delta(content=new)) if new else ""
+        return self._chunk(Delta(content=new)) if new else None
 
-    def finish(self, result: ChatResult, session_id: str | None) -> list[str]:
+    def finish(self, result: ChatResult, session_id: str | None) -> list[ServerSentEvent]:
         """The closing events: remaining content, tool calls, finish, usage, ``[DONE]``."""
         out = []
         rest = self.filter.rest(content_of(result, self.tools_active))

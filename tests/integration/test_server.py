@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerThread, serving
 
 from adapters.openai_server import ServerConfig
@@ -231,7 +232,9 @@ def test_client_disconnect_releases_the_model(server: ServerThread, runtime: Run
     while httpx.get(f"{server.root}/health").json()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert httpx.get(f"{server.root}/health").json()["running"] == 0
-    assert 'finished_reason="abort"} 1' in httpx.get(f"{server.root}/metrics").text
+    metrics = httpx.get(f"{server.root}/metrics").text
+    assert [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+            if s.labels.get("finished_reason") == "abort"] == [1]
     ref = runtime.chat(QUESTION, max_tokens=8)  # the model lock was released
     out = _client(server).chat.completions.create(model=_model(runtime), messages=QUESTION,  # type: ignore[arg-type]
                                                   max_tokens=8)

@@ -11,6 +11,7 @@ the whole stream up to ``[DONE]``.
 * SIGTERM after a run of turns that live only in the write-ahead log: the server exits 0,
   and a copy of ``sessions.sqlite3`` alone, without its ``-wal``, holds every acknowledged
   turn (read with Python's sqlite3 and, where installed, the ``sqlite3`` shell).
+* SIGTERM while a stream is being sent: the stream runs to ``[DONE]`` (drained, not cut).
 
 Waits poll with generous deadlines; nothing here asserts how long anything took.
 """
@@ -75,9 +76,14 @@ class Server:
             assert time.monotonic() < deadline, "the fault server did not start"
             time.sleep(0.1)
 
-    def signal(self, sig: int) -> int:
+    def signal(self, sig: int, wait: bool = True) -> int | None:
         assert self.proc is not None
         self.proc.send_signal(sig)
+        return self.wait() if wait else None
+
+    def wait(self) -> int:
+        """Wait for the process to exit; its exit code."""
+        assert self.proc is not None
         code = self.proc.wait(timeout=120)
         if self.proc.stderr:
             self.proc.stderr.close()
@@ -226,3 +232,30 @@ def test_sigterm_leaves_every_acknowledged_turn_in_the_main_file(
         out = subprocess.run(["sqlite3", str(alone), "SELECT COUNT(*) FROM turns"],
                              capture_output=True, text=True, check=True)
         assert int(out.stdout) == sum(map(len, acked.values()))
+
+
+def test_sigterm_drains_a_stream_already_being_sent(server: Server) -> None:
+    # sse-starlette cuts open streams when uvicorn begins to exit unless told otherwise; the
+    # turns test above cannot tell (a cut turn is neither acknowledged nor stored).
+    server.start()
+    text = "drain " + "x" * 1500  # ~500 deltas of 4 ms: the stream outlives the signal
+    body = {"model": "fake-model", "stream": True, "max_tokens": 2048,
+            "messages": [{"role": "user", "content": text}]}
+    events: list[str] = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"X-Session-Id": "drain"}) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for line in lines:
+            events.append(line)
+            if '"content":"' in line and '"role"' not in line:
+                break  # the answer is being sent
+        server.signal(signal.SIGTERM, wait=False)
+        events.extend(lines)
+    assert server.wait() in CLEAN_TERM
+    data = [e[6:] for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    content = "".join(json.loads(d)["choices"][0]["delta"].get("content") or ""
+                      for d in data[:-1] if json.loads(d)["choices"])
+    assert content == f"You said: {text}"
+    assert _stored(server.store)["drain"] == [[ord(c) for c in content]]

@@ -24,6 +24,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeRuntime
 
 from adapters.langchain.messages import MessageConversionError, to_agentspec_messages
@@ -290,7 +291,8 @@ def test_http_client_that_leaves_while_queued_gets_no_work(store: SessionStore) 
         metrics = httpx.get(f"{srv.root}/metrics").text
     assert [c["messages"][-1]["content"] for c in rt.calls] == ["WAIT"]
     assert [s.session_id for s in store.list_sessions()] == ["busy"]
-    assert 'finished_reason="abort"} 1' in metrics
+    assert [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+            if s.labels.get("finished_reason") == "abort"] == [1]
 
 
 # -- repro 6: one LRU across tenants ---------------------------------------------------------

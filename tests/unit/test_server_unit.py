@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeRuntime
 
 from adapters.openai_server import ServerConfig, create_app
 from adapters.openai_server.auth import KeyRing, load_file, load_keys, parse_env
 from adapters.openai_server.config import check_bind, is_loopback
-from adapters.openai_server.metrics import Metrics, escape_label
+from adapters.openai_server.metrics import LATENCY_BUCKETS, Metrics
 from adapters.openai_server.responses import ToolTextFilter
 from agentspec.errors import ConfigError
 from agentspec.spec import AgentSpec, VerifierPolicy
@@ -301,6 +303,12 @@ def test_tool_text_filter_holds_back_tags() -> None:
 # -- metrics ---------------------------------------------------------------------------------
 
 
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition, parsed: (name, labels) -> value."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_metrics_exposition() -> None:
     m = Metrics('m"1')
     stats = RequestStats(prompt_tokens=5, generated_tokens=7, forwards=3, steps=[
@@ -308,33 +316,66 @@ def test_metrics_exposition() -> None:
         StepStats("none", 0, 0, 1, 0, 0)])
     m.finished(stats, "stop", 0.3)
     m.error(401)
+    m.queued(+1)
     text = m.render()
-    assert escape_label('m"1') == 'm\\"1'
-    label = 'model_name="m\\"1"'
-    per_pos = "agentspec:spec_decode_num_accepted_tokens_per_pos_total"
-    for line in (f"agentspec:spec_decode_num_drafts_total{{{label}}} 2",
-                 f"agentspec:spec_decode_num_draft_tokens_total{{{label}}} 7",
-                 f"agentspec:spec_decode_num_accepted_tokens_total{{{label}}} 5",
-                 f'{per_pos}{{{label},position="0"}} 2',
-                 f'{per_pos}{{{label},position="3"}} 1',
-                 f'agentspec:request_success_total{{{label},finished_reason="stop"}} 1',
-                 f'agentspec:http_errors_total{{{label},status="401"}} 1',
-                 f'agentspec:e2e_request_latency_seconds_bucket{{{label},le="0.25"}} 0',
-                 f'agentspec:e2e_request_latency_seconds_bucket{{{label},le="0.5"}} 1',
-                 f'agentspec:e2e_request_latency_seconds_bucket{{{label},le="+Inf"}} 1',
-                 f"agentspec:generation_tokens_total{{{label}}} 7"):
-        assert line in text.splitlines(), line
-    assert "# TYPE agentspec:spec_decode_num_drafts counter" in text
+    assert 'model_name="m\\"1"' in text  # the quote is escaped on the wire
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = _samples(text)
+    model = ("model_name", 'm"1')
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(f"agentspec:{name}", frozenset({model, *labels.items()}))]
+
+    assert families["agentspec:spec_decode_num_drafts"].type == "counter"
+    assert value("spec_decode_num_drafts_total") == 2
+    assert value("spec_decode_num_draft_tokens_total") == 7
+    assert value("spec_decode_num_accepted_tokens_total") == 5
+    per_pos = "spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, position=str(p)) for p in range(4)] == [2, 1, 1, 1]
+    assert (f"agentspec:{per_pos}", frozenset({model, ("position", "4")})) not in samples
+    assert value("request_success_total", finished_reason="stop") == 1
+    assert value("http_errors_total", status="401") == 1
+    assert value("generation_tokens_total") == 7
+    assert value("prompt_tokens_total") == 5
+    assert value("target_forwards_total") == 3
+    assert value("num_requests_waiting") == 1 and value("num_requests_running") == 0
+    # The latency histogram: the same buckets, cumulative counts, sum and count.
+    e2e = families["agentspec:e2e_request_latency_seconds"]
+    assert e2e.type == "histogram"
+    buckets = {float(s.labels["le"]): s.value for s in e2e.samples
+               if s.name.endswith("_bucket")}
+    assert list(buckets) == [*LATENCY_BUCKETS, float("inf")]
+    assert all(n == (1 if le >= 0.3 else 0) for le, n in buckets.items())
+    assert value("e2e_request_latency_seconds_count") == 1
+    assert value("e2e_request_latency_seconds_sum") == pytest.approx(0.3)
+    assert value("time_to_first_token_seconds_count") == 0
+    # No _created samples; labelled counters have no sample before their first value.
+    assert not any(name.endswith("_created") for name, _ in samples)
+    assert not any(s.labels.get("finished_reason") == "abort"
+                   for f in families.values() for s in f.samples)
+    m.aborted()
+    assert _samples(m.render())[("agentspec:request_success_total", frozenset(
+        {model, ("finished_reason", "abort")}))] == 1
+
+
+def test_metrics_registries_are_per_instance() -> None:
+    a, b = Metrics("a"), Metrics("b")
+    a.error(500)
+    assert "http_errors_total{" in a.render() and "http_errors_total{" not in b.render()
 
 
 def test_metrics_route_counts_requests() -> None:
     client, _ = _client()
     client.post("/v1/chat/completions", json=_body())
     client.post("/v1/chat/completions", json=_body(stream=True))
-    text = client.get("/metrics").text
-    assert 'agentspec:request_success_total{model_name="fake-model",finished_reason="stop"} 2' \
-        in text
-    assert 'agentspec:spec_decode_num_drafts_total{model_name="fake-model"} 4' in text
+    resp = client.get("/metrics")
+    assert resp.headers["content-type"] == CONTENT_TYPE_LATEST
+    samples = _samples(resp.text)
+    model = ("model_name", "fake-model")
+    assert samples[("agentspec:request_success_total",
+                    frozenset({model, ("finished_reason", "stop")}))] == 2
+    assert samples[("agentspec:spec_decode_num_drafts_total", frozenset({model}))] == 4
+    assert samples[("agentspec:time_to_first_token_seconds_count", frozenset({model}))] == 1
 
 
 # -- the generation queue --------------------------------------------------------------------
