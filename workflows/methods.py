@@ -173,6 +173,29 @@ class EngineMethod:
         return RunOutput(g.tokens, g.text, g.stats)
 
 
+class GeneratedStop:
+    """transformers stopping criterion: stop once the *generated* text (the prompt
+    excluded) contains one of ``stops``.
+
+    Args:
+        prompt_len: Prompt tokens at the start of every row.
+        stops: Stop strings.
+        tokenizer: Decodes the generated ids.
+    """
+
+    def __init__(self, prompt_len: int, stops: Sequence[str], tokenizer: Any) -> None:
+        self.prompt_len, self.stops, self.tokenizer = prompt_len, list(stops), tokenizer
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        """One flag per row (generate's StoppingCriteria contract)."""
+        done = [
+            any(s in self.tokenizer.decode(row[self.prompt_len :], skip_special_tokens=True)
+                for s in self.stops)
+            for row in input_ids.tolist()
+        ]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerateMethod:
     """transformers ``generate`` (greedy, or with its prompt lookup decoding).
 
@@ -200,8 +223,12 @@ class HFGenerateMethod:
             "pad_token_id": self.ctx.eos_ids[0],
         }
         if request.stop:
-            kwargs["stop_strings"] = list(request.stop)
-            kwargs["tokenizer"] = self.ctx.target.tokenizer
+            # Not generate's stop_strings: those also match across the prompt's end (a
+            # prompt ending in "\n" and a first token "```" match "\n```"), while a stop
+            # string ends a completion only inside the generated text (OpenAI's semantics,
+            # the engine's): the reference must stop where the engine does.
+            kwargs["stopping_criteria"] = [GeneratedStop(
+                len(prompt), request.stop, self.ctx.target.tokenizer)]
         if self.prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
         ids = torch.tensor([prompt], device=self.ctx.target.device)
