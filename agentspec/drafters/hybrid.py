@@ -177,7 +177,7 @@ class HybridDrafter:
             if label is None:  # drafts start in order: later ones are not due either
                 break
             self._shadow.popleft()
-            self.policy.outcome(raw, label, score)
+            self.policy.outcome(raw, label, score, len(draft))
 
     def finish(self, ctx: DraftContext) -> None:
         """Forward to both sub-drafters; the request's step history ends."""

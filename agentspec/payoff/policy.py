@@ -49,12 +49,16 @@ scale on the traffic at hand.
 Fallback to the cache's own score. On a workload unlike its training data the predictor
 can rank drafts badly, which no scale factor fixes (measured on DELEGATE-52 domains it
 never saw: 9.54 accepted tokens per step against the ungated cache's 13.39). The suffix
-index's score (the sum of its path probabilities) is a second estimate of the same y, and
-it is the one the ungated cache effectively trusts. Both are calibrated the same way, and
-each keeps a decayed mean absolute error |r·x − y| over the same full-length outcomes; the
-policy uses the predictor while its error is at most the score's and the calibrated score
-otherwise (:attr:`CostAwarePolicy.estimator`). Where the predictor is worse than the
-cache's own estimate, the gate therefore stops trusting it within a few drafts.
+index's score (the sum of its path probabilities) is a second estimate of the same y, the
+one the ungated cache effectively trusts. Both are calibrated the same way. A smaller
+error in y is not what matters (measured: the predictor often erred less, yet its cuts
+lost tokens); the decisions are. A full-length label y tells what *any* cut of the draft
+would have committed (min(y, k) + 1 tokens in c(k + 1) seconds; plain decoding: 1 in
+c(1)), so every labelled draft scores both estimates' decisions counterfactually, before
+either calibration moves, and so is a third rule, verifying every cache draft whole (the
+ungated cache). The policy gates by whichever of the three would have committed the most
+tokens per second over the last ~50 drafts (:attr:`CostAwarePolicy.estimator`), the
+predictor on a tie: hybrid does not stay worse than the cache it gates.
 
 Truncating a draft at the k maximising (E_k + 1) / c(k + 1) is the "predicted useful
 length": under the mixture the qk term keeps long likely-copied drafts whole, because c(k)
@@ -121,10 +125,11 @@ class SourcePolicy(Protocol):
         model drafter's first step of a request, which also syncs it with the prompt)."""
         ...
 
-    def outcome(self, raw: float, accepted: int, score: float = math.nan) -> None:
-        """A cache draft the predictor rated ``raw`` (:attr:`Choice.raw`) and its index
-        scored ``score`` would have had ``accepted`` tokens accepted at its full length,
-        whichever source was verified."""
+    def outcome(self, raw: float, accepted: int, score: float = math.nan,
+                length: int = 0) -> None:
+        """A cache draft of ``length`` tokens the predictor rated ``raw``
+        (:attr:`Choice.raw`) and its index scored ``score`` would have had ``accepted``
+        tokens accepted at its full length, whichever source was verified."""
         ...
 
 
@@ -228,17 +233,19 @@ class _RateEstimate:
 
 
 class _Calibrated:
-    """One estimate of a cache draft's full-length accepted length y, calibrated online.
+    """One estimate x of a cache draft's full-length accepted length y, calibrated online,
+    and the value of the decisions it leads to.
 
-    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1), and the
-    decayed mean absolute error of the calibrated estimate r·x, measured before each
-    outcome updates r (an honest, out-of-sample error).
+    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1). The value
+    is the decayed mean of the tokens per second the step would have committed had the
+    cache draft been cut by this estimate (``value``), scored before r moves (out of
+    sample).
     """
 
-    def __init__(self, prior: float, decay: float) -> None:
-        self.prior, self.decay = prior, decay
+    def __init__(self, prior: float, decay: float, value_decay: float) -> None:
+        self.prior, self.decay, self.value_decay = prior, decay, value_decay
         self.seen = self.expected = prior
-        self.err = self.weight = 0.0
+        self.gain = self.weight = 0.0
 
     @property
     def ratio(self) -> float:
@@ -246,15 +253,16 @@ class _Calibrated:
         return min(5.0, max(0.2, self.seen / self.expected))
 
     @property
-    def error(self) -> float:
-        """Mean absolute error of r·x over recent outcomes (0 before any)."""
-        return self.err / self.weight if self.weight else 0.0
+    def value(self) -> float:
+        """Mean committed tokens per second of this estimate's recent decisions (0: none)."""
+        return self.gain / self.weight if self.weight else 0.0
 
-    def add(self, x: float, y: int) -> None:
-        """One outcome: the estimate was ``x`` (uncalibrated), the truth ``y``."""
-        d = self.decay
-        self.err = d * self.err + abs(self.ratio * x - y)
-        self.weight = d * self.weight + 1.0
+    def add(self, x: float, y: int, rate: float) -> None:
+        """One outcome: the estimate was ``x`` (uncalibrated), the truth ``y``, and the
+        decision r·x led to would have committed ``rate`` tokens per second."""
+        v, d = self.value_decay, self.decay
+        self.gain = v * self.gain + rate
+        self.weight = v * self.weight + 1.0
         prior = (1 - d) * self.prior
         self.seen = d * self.seen + y + prior
         self.expected = d * self.expected + x + prior
@@ -280,7 +288,8 @@ class ArcticRule:
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
         """Stateless."""
 
-    def outcome(self, raw: float, accepted: int, score: float = math.nan) -> None:
+    def outcome(self, raw: float, accepted: int, score: float = math.nan,
+                length: int = 0) -> None:
         """Stateless."""
 
 
@@ -311,7 +320,8 @@ class ThresholdPolicy:
     def update(self, source: str, draft_len: int, accepted: int, draft_s: float) -> None:
         """Stateless."""
 
-    def outcome(self, raw: float, accepted: int, score: float = math.nan) -> None:
+    def outcome(self, raw: float, accepted: int, score: float = math.nan,
+                length: int = 0) -> None:
         """Stateless (the paper's rule uses τ as trained)."""
 
 
@@ -329,6 +339,8 @@ class CostAwarePolicy:
         calibration_decay: Per-outcome forgetting of the calibration sums (0.9: about the
             last ten cache drafts); a very large ``calibration_prior`` turns calibration off.
         calibration_prior: Weight of the prior r = 1, in expected tokens.
+        choice_decay: Per-outcome forgetting of the counterfactual values that pick the
+            estimator (0.98: about the last 50 cache drafts).
     """
 
     name = "cost_aware"
@@ -344,10 +356,13 @@ class CostAwarePolicy:
         miss_rate: float = 0.5,
         calibration_decay: float = 0.9,
         calibration_prior: float = 8.0,
+        choice_decay: float = 0.98,
     ) -> None:
         for label, value in (("model_alpha", model_alpha), ("miss_rate", miss_rate)):
             if not 0.0 < value < 1.0:
                 raise ConfigError(f"{label} must be in (0, 1), got {value!r}")
+        if not 0.0 < choice_decay <= 1.0:
+            raise ConfigError(f"choice_decay must be in (0, 1], got {choice_decay!r}")
         if calibration_prior <= 0 or not 0.0 < calibration_decay <= 1.0:
             raise ConfigError(f"need calibration_prior > 0 and calibration_decay in (0, 1], "
                               f"got {calibration_prior!r}, {calibration_decay!r}")
@@ -367,8 +382,9 @@ class CostAwarePolicy:
         # garbage collection, a busy machine) does not price the model out.
         self._token_costs: deque[float] = deque(maxlen=9)
         # The two calibrated estimates of y: the predictor's ŷ and the index's own score.
-        self._pred = _Calibrated(calibration_prior, calibration_decay)
-        self._score = _Calibrated(calibration_prior, calibration_decay)
+        self._pred = _Calibrated(calibration_prior, calibration_decay, choice_decay)
+        self._score = _Calibrated(calibration_prior, calibration_decay, choice_decay)
+        self._whole = _Calibrated(calibration_prior, calibration_decay, choice_decay)
 
     @property
     def calibration(self) -> float:
@@ -377,10 +393,27 @@ class CostAwarePolicy:
 
     @property
     def estimator(self) -> str:
-        """``"predictor"``, or ``"score"`` while the cache's own calibrated score has been
-        the better estimate of recent drafts' accepted lengths (see the module docstring)."""
-        s, p = self._score, self._pred
-        return "score" if s.weight and s.error < p.error else "predictor"
+        """How cache drafts are gated now (see the module docstring): ``"predictor"`` (cut
+        by the calibrated ŷ), ``"score"`` (cut by the cache's calibrated score) or
+        ``"whole"`` (verified whole, as the ungated cache does): whichever would have
+        committed the most tokens per second on recent drafts; the predictor on a tie."""
+        best, name = self._pred.value, "predictor"
+        for other, label in ((self._score, "score"), (self._whole, "whole")):
+            if other.weight and other.value > best:
+                best, name = other.value, label
+        return name
+
+    def _cut(self, y: float, n: int) -> tuple[int, float]:
+        """The cache draft cut for an estimate ``y`` of an ``n``-token draft: ``(k, rate)``,
+        k = 0 when plain decoding is expected to commit more tokens per second."""
+        mix = fit_copy_acceptance(min(y, n), n, self.miss_rate)
+        k, rate = best_length(mix.expected, n, self.cost)
+        return (k, rate) if rate > 1.0 / self.cost(1) else (0, 1.0 / self.cost(1))
+
+    def _realised(self, k: int, accepted: int) -> float:
+        """Tokens per second a step cutting the draft to ``k`` would have committed, given
+        its full-length accepted length (k = 0: plain decoding)."""
+        return (min(accepted, k) + 1.0) / self.cost(k + 1)
 
     @property
     def model_alpha(self) -> float:
@@ -407,12 +440,19 @@ class CostAwarePolicy:
             n = len(cache.tokens)
             raw = min(self.predictor.predict(phi), n) if phi is not None else 0.0
             score = min(cache.score, n)
-            if self.estimator == "score":
-                y = min(self._score.ratio * score, n)
-            else:
+            gate = self.estimator
+            if gate == "predictor":
                 y = min(self._pred.ratio * raw, n)
+            else:
+                y = min(self._score.ratio * score, n)
             mix = fit_copy_acceptance(y, n, self.miss_rate)
             k, rate = best_length(mix.expected, n, self.cost)
+            if gate == "whole":
+                # The ungated cache: the whole draft, never plain decoding, and against the
+                # model drafter the rate whole drafts have realised lately (the estimates
+                # behind ``mix`` are the ones that lost).
+                k = n
+                rate = max(self._whole.value, math.nextafter(options[0][0], math.inf))
             options.append((rate, Choice(CACHE, k, y)))
         if model_len > 0:
             k, rate = best_length(geometric(self.model_alpha), model_len, self.cost,
@@ -440,19 +480,27 @@ class CostAwarePolicy:
             self._token_costs.append(draft_s / draft_len)
 
 
-    def outcome(self, raw: float, accepted: int, score: float = math.nan) -> None:
-        """Calibrate: a cache draft rated ``raw`` (scored ``score`` by its index) had
-        ``accepted`` tokens right at full length.
+    def outcome(self, raw: float, accepted: int, score: float = math.nan,
+                length: int = 0) -> None:
+        """Calibrate: a cache draft of ``length`` tokens rated ``raw`` (scored ``score`` by
+        its index) had ``accepted`` tokens right at full length.
 
         S ← d·S + x + (1 − d)·P for both sums: they relax to the prior P (r = 1) when
         evidence stops; with steady evidence r = (ȳ/(1−d) + P) / (ŷ̄/(1−d) + P). Each
-        estimate's error is recorded before its ratio moves.
+        estimate's decision is scored before its ratio moves (``length`` 0: the score is
+        not compared and the predictor keeps the gate).
         """
         if not math.isfinite(raw):
             return
-        self._pred.add(raw, accepted)
-        if math.isfinite(score):
-            self._score.add(score, accepted)
+        n = max(length, accepted)
+        compare = n > 0 and math.isfinite(score)
+        rate = self._realised(self._cut(self._pred.ratio * raw, n)[0], accepted) if compare \
+            else 0.0
+        self._pred.add(raw, accepted, rate)
+        if compare:
+            rate = self._realised(self._cut(self._score.ratio * score, n)[0], accepted)
+            self._score.add(score, accepted, rate)
+            self._whole.add(n, accepted, self._realised(n, accepted))
 
 
 def _memo(cost: Cost) -> Cost:

@@ -219,7 +219,7 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
         def update(self, source, draft_len, accepted, draft_s):  # type: ignore[no-untyped-def]
             pass
 
-        def outcome(self, raw, accepted, score=math.nan):  # type: ignore[no-untyped-def]
+        def outcome(self, raw, accepted, score=math.nan, length=0):  # type: ignore[no-untyped-def]
             self.outcomes.append((raw, accepted))
 
     class Recording(HybridDrafter):

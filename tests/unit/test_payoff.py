@@ -396,9 +396,10 @@ def test_cost_aware_policy_calibrates_the_predictor_online() -> None:
 
 def test_cost_aware_policy_falls_back_to_the_cache_score_when_the_predictor_is_off() -> None:
     """A predictor that cannot rank drafts (here: the same ŷ for drafts that copy 20
-    tokens and drafts that miss at once), which no scale factor fixes, loses to the cache's
-    own score once the score has been the better estimate; the whole 20-token draft is then
-    verified again. While the predictor is the better estimate, it is used."""
+    tokens and drafts that miss at once), which no scale factor fixes, loses the gate to
+    the cache's own score once cutting by the score would have committed more tokens per
+    second on recent drafts; the whole 20-token draft is then verified again. While the
+    predictor's decisions are the better ones, it keeps the gate."""
     good = Draft(tokens=list(range(20)), score=18.0, match_len=30, source="suffix")
     bad = Draft(tokens=list(range(20)), score=0.5, match_len=1, source="suffix")
     phi = [0.0] * NUM_FEATURES
@@ -408,19 +409,46 @@ def test_cost_aware_policy_falls_back_to_the_cache_score_when_the_predictor_is_o
 
     policy = CostAwarePolicy(constant_predictor(3.0), cost)
     assert policy.estimator == "predictor"
-    policy.outcome(3.0, 20)  # no score given: the predictor keeps the gate
+    policy.outcome(3.0, 20)  # no score, no length: nothing to compare, the predictor stays
     assert policy.estimator == "predictor"
     for _ in range(10):
-        policy.outcome(3.0, 20, good.score)
-        policy.outcome(3.0, 0, bad.score)
+        policy.outcome(3.0, 20, good.score, 20)
+        policy.outcome(3.0, 0, bad.score, 20)
     assert policy.estimator == "score"
     choice = policy.choose(good, 2, phi)
     assert choice.source == "cache" and choice.length == 20 and choice.predicted > 15
     assert choice.raw == 3.0 and choice.score == 18.0
     assert policy.choose(bad, 2, phi).predicted < 1.0
 
-    trusted = CostAwarePolicy(constant_predictor(10.0), cost)
-    for _ in range(10):  # the predictor is exact, the score is not
-        trusted.outcome(10.0, 10, 2.0)
-        trusted.outcome(10.0, 10, 19.0)
+    trusted = CostAwarePolicy(Ranked(), cost)  # ŷ = the truth; the score is reversed
+    for _ in range(10):
+        trusted.outcome(20.0, 20, 0.5, 20)
+        trusted.outcome(0.0, 0, 18.0, 20)
     assert trusted.estimator == "predictor"
+
+
+def test_cost_aware_policy_verifies_whole_drafts_when_every_estimate_cuts_too_much() -> None:
+    """When both estimates rate drafts far below what they turn out to copy (more than
+    calibration's clip can fix), verifying them whole, as the ungated cache does, would
+    have committed the most tokens per second: the policy gates that way until the
+    estimates catch up."""
+    draft = Draft(tokens=list(range(20)), score=0.1, match_len=2, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+
+    def cost(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    policy = CostAwarePolicy(constant_predictor(0.1), cost)
+    assert policy.choose(draft, 0, phi).length < 20  # cut (or not verified) at first
+    for _ in range(10):
+        policy.outcome(0.1, 20, draft.score, 20)
+    assert policy.estimator == "whole"
+    choice = policy.choose(draft, 2, phi)
+    assert choice.source == "cache" and choice.length == 20
+
+
+class Ranked:
+    """A stand-in predictor (only ``predict`` is read by the policy)."""
+
+    def predict(self, phi: list[float] | None) -> float:
+        return 0.0
