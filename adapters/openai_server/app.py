@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -38,7 +39,7 @@ from adapters.openai_server.errors import (
 from adapters.openai_server.guard import ErrorGuard
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.params import check_params
-from adapters.openai_server.schemas import ChatCompletionRequest, ModelCard, ModelList, now
+from adapters.openai_server.schemas import ChatCompletionRequest, ModelList, now, wire
 from adapters.openai_server.service import ChatService, Generation, Job, build_job
 from adapters.openai_server.validation import check_conversation, parse_json
 from agentspec.interfaces import ChatRuntime
@@ -174,17 +175,21 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    def card(model_id: str) -> Model:
+        return Model(id=model_id, object="model", created=started, owned_by="agentspec")
+
+    # exclude_none: openai's Model has optional fields (shutdown_date) this server never sets.
+    @app.get("/v1/models", response_model_exclude_none=True)
     async def models(request: Request) -> ModelList:
         tenant_of(request)
-        return ModelList(data=[ModelCard(id=m, created=started) for m in served])
+        return ModelList(data=[card(m) for m in served])
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> ModelCard:
+    @app.get("/v1/models/{model_id:path}", response_model_exclude_none=True)
+    async def model(model_id: str, request: Request) -> Model:
         tenant_of(request)
         if model_id not in served:
             raise model_not_found(model_id, served)
-        return ModelCard(id=model_id, created=started)
+        return card(model_id)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
@@ -249,7 +254,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         metrics.finished(payload.stats, responses.finish_reason_of(payload, job.tools_active),
                          time.perf_counter() - gen.submitted)
         body = responses.completion(payload, model_name, job.tools_active, sid)
-        return JSONResponse(body.model_dump(), headers=headers)
+        return JSONResponse(wire(body), headers=headers)
 
     async def _stream(
         gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]

@@ -17,21 +17,27 @@ them with :class:`~sse_starlette.EventSourceResponse`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import (
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
+from openai.types.chat.chat_completion_message_tool_call import (
+    ChatCompletionMessageToolCall,
+    Function,
+)
 from sse_starlette import ServerSentEvent
 
 from adapters.openai_server.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
-    Choice,
-    ChunkChoice,
-    Delta,
-    FunctionCall,
-    ResponseMessage,
-    ToolCallDelta,
-    ToolCallOut,
-    Usage,
+    FinishReason,
     completion_id,
     now,
 )
@@ -50,29 +56,34 @@ def content_of(result: ChatResult, tools_active: bool) -> str | None:
     return "\n".join(p for p in parts if p) or None
 
 
-def tool_calls_of(result: ChatResult, tools_active: bool) -> list[ToolCallOut]:
+def tool_calls_of(result: ChatResult, tools_active: bool) -> list[ChatCompletionMessageToolCall]:
     """The well-formed tool calls, arguments serialised as JSON strings."""
     if not tools_active:
         return []
     return [
-        ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
+        ChatCompletionMessageToolCall(
+            id=c.id, type="function",
+            function=Function(name=c.name, arguments=json.dumps(c.arguments)),
+        )
         for c in result.tool_calls
     ]
 
 
-def finish_reason_of(result: ChatResult, tools_active: bool) -> str:
+def finish_reason_of(result: ChatResult, tools_active: bool) -> FinishReason:
     """``tool_calls`` only for parsed calls to bound tools; else the runtime's reason."""
     if result.finish_reason == "tool_calls" and not tool_calls_of(result, tools_active):
         return "stop"
     if tools_active and result.tool_calls and result.finish_reason == "stop":
         return "tool_calls"
-    return result.finish_reason
+    # The runtime reports "stop" or "length"; the response models validate it at runtime.
+    return cast(FinishReason, result.finish_reason)
 
 
-def usage_of(result: ChatResult) -> Usage:
+def usage_of(result: ChatResult) -> CompletionUsage:
     """Prompt and completion token counts."""
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                 total_tokens=result.prompt_tokens + result.completion_tokens)
+    return CompletionUsage(prompt_tokens=result.prompt_tokens,
+                           completion_tokens=result.completion_tokens,
+                           total_tokens=result.prompt_tokens + result.completion_tokens)
 
 
 def stats_of(result: ChatResult, session_id: str | None) -> dict[str, Any]:
@@ -85,18 +96,22 @@ def completion(
 ) -> ChatCompletion:
     """A whole ``chat.completion``."""
     calls = tool_calls_of(result, tools_active)
-    message = ResponseMessage(content=content_of(result, tools_active), tool_calls=calls or None)
+    message = ChatCompletionMessage(role="assistant", content=content_of(result, tools_active))
+    if calls:  # left unset otherwise, so the body has no `tool_calls` key
+        message.tool_calls = list(calls)
+    choice = Choice(index=0, message=message, logprobs=None,
+                    finish_reason=finish_reason_of(result, tools_active))
     return ChatCompletion(
-        id=completion_id(), created=now(), model=model,
-        choices=[Choice(message=message, finish_reason=finish_reason_of(result, tools_active))],
-        usage=usage_of(result), agentspec=stats_of(result, session_id),
+        id=completion_id(), object="chat.completion", created=now(), model=model,
+        choices=[choice], usage=usage_of(result), system_fingerprint=None,
+        agentspec=stats_of(result, session_id),
     )
 
 
 def sse(payload: ChatCompletionChunk | dict[str, Any]) -> ServerSentEvent:
     """One server-sent event carrying a JSON payload (``data: <json>\\n\\n`` on the wire)."""
-    body = (payload.model_dump_json() if isinstance(payload, ChatCompletionChunk)
-            else json.dumps(payload))
+    body = (payload.model_dump_json(exclude_unset=True)
+            if isinstance(payload, ChatCompletionChunk) else json.dumps(payload))
     return ServerSentEvent(body, sep=SEP)
 
 
@@ -157,35 +172,45 @@ class ChunkWriter:
         self.include_usage = include_usage
         self.filter = ToolTextFilter(tools_active)
 
-    def _chunk(self, delta: Delta, finish: str | None = None, **extra: Any) -> ServerSentEvent:
-        return sse(ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model,
-            choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra,
-        ))
+    def _chunk(self, delta: ChoiceDelta, finish: FinishReason | None = None,
+               agentspec: dict[str, Any] | None = None) -> ServerSentEvent:
+        chunk = self._base([ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                                        logprobs=None)])
+        if agentspec is not None:  # left unset otherwise, so the key is absent
+            chunk.agentspec = agentspec
+        return sse(chunk)
+
+    def _base(self, choices: list[ChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, object="chat.completion.chunk",
+                                   created=self.created, model=self.model, choices=choices,
+                                   system_fingerprint=None)
 
     def start(self) -> ServerSentEvent:
         """The first chunk: the assistant role with empty content."""
-        return self._chunk(Delta(role="assistant", content=""))
+        return self._chunk(ChoiceDelta(role="assistant", content=""))
 
     def delta(self, text: str) -> ServerSentEvent | None:
         """A content chunk for a generated delta (``None`` when nothing is safe to send yet)."""
         new = self.filter.feed(text)
-        return self._chunk(Delta(content=new)) if new else None
+        return self._chunk(ChoiceDelta(content=new)) if new else None
 
     def finish(self, result: ChatResult, session_id: str | None) -> list[ServerSentEvent]:
         """The closing events: remaining content, tool calls, finish, usage, ``[DONE]``."""
         out = []
         rest = self.filter.rest(content_of(result, self.tools_active))
         if rest:
-            out.append(self._chunk(Delta(content=rest)))
+            out.append(self._chunk(ChoiceDelta(content=rest)))
         for i, call in enumerate(tool_calls_of(result, self.tools_active)):
-            out.append(self._chunk(Delta(tool_calls=[
-                ToolCallDelta(index=i, id=call.id, function=call.function)
+            function = ChoiceDeltaToolCallFunction(name=call.function.name,
+                                                   arguments=call.function.arguments)
+            out.append(self._chunk(ChoiceDelta(tool_calls=[
+                ChoiceDeltaToolCall(index=i, id=call.id, type="function", function=function)
             ])))
-        out.append(self._chunk(Delta(), finish_reason_of(result, self.tools_active),
+        out.append(self._chunk(ChoiceDelta(), finish_reason_of(result, self.tools_active),
                                agentspec=stats_of(result, session_id)))
         if self.include_usage:
-            out.append(sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                               choices=[], usage=usage_of(result))))
+            usage = self._base([])
+            usage.usage = usage_of(result)
+            out.append(sse(usage))
         out.append(DONE)
         return out

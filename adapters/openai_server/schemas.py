@@ -4,8 +4,9 @@ Every parameter OpenAI defines is either honoured or rejected with a 400 naming 
 (:mod:`adapters.openai_server.params` holds the table and runs before these models), so
 values the server cannot honour (``n > 1``, ``logprobs``, penalties, image content) are
 never silently answered with something else.
-Responses carry one extension field, ``agentspec``: the speculative-decoding numbers of the
-request, which OpenAI clients keep as an extra attribute and otherwise ignore.
+Responses are the ``openai`` package's own models; they carry one extension field,
+``agentspec``: the speculative-decoding numbers of the request, which OpenAI clients keep as
+an extra attribute and otherwise ignore.
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    StrictBool,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from openai.types import Model
+from openai.types.chat import ChatCompletion as OpenAIChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+# -- requests -----------------------------------------------------------------------------
+# Hand-written on purpose: openai ships request params only as TypedDicts, which pydantic
+# would not hold to the limits below (ranges, strict ``stream``, unsupported values), and
+# those limits are what turn a bad request into a 400 naming the parameter.
 
 
 class _Lenient(BaseModel):
@@ -166,6 +167,15 @@ class ChatCompletionRequest(_Lenient):
 
 
 # -- responses ----------------------------------------------------------------------------
+# The bodies the server sends are openai's own pydantic models (subclassed below for
+# the two with the extension), so their fields and types follow the client library. They are
+# sent with ``exclude_unset`` (see :func:`wire`): a field appears only when the server set it,
+# which keeps ``content: null``, ``logprobs: null`` and ``system_fingerprint: null`` while
+# leaving out what openai's models add for other features (``refusal``, ``audio``,
+# ``service_tier``, ...), ``tool_calls`` when there are none (some clients reject a null
+# list), and ``usage``/``agentspec`` in the chunks that do not carry them.
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
 def completion_id() -> str:
@@ -178,124 +188,25 @@ def now() -> int:
     return int(time.time())
 
 
-class ToolCallOut(BaseModel):
-    """A tool call in a response: ``arguments`` is a JSON string."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+def wire(body: BaseModel) -> dict[str, Any]:
+    """The JSON-ready dict of a response body: only the fields the server set."""
+    return body.model_dump(mode="json", exclude_unset=True)
 
 
-class ResponseMessage(BaseModel):
-    """The assistant message of a non-streaming choice (``content`` is null with calls)."""
+class ChatCompletion(OpenAIChatCompletion):
+    """A ``chat.completion`` object with the ``agentspec`` extension (the request's stats)."""
 
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI omits `tool_calls` when there are none (some clients reject a null list).
-        data: dict[str, Any] = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
-
-
-class Choice(BaseModel):
-    """One choice of a completion (this server always returns exactly one)."""
-
-    index: int = 0
-    message: ResponseMessage
-    finish_reason: str
-    logprobs: None = None
-
-
-class Usage(BaseModel):
-    """Token counts of a request."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    """A ``chat.completion`` object."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    system_fingerprint: str | None = None
     agentspec: dict[str, Any] | None = None
 
 
-class ToolCallDelta(BaseModel):
-    """A tool call inside a streaming delta (sent whole, in one chunk per call)."""
+class ChatCompletionChunk(OpenAIChatCompletionChunk):
+    """A ``chat.completion.chunk`` (one SSE event); ``agentspec`` rides on the finish chunk."""
 
-    index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class Delta(BaseModel):
-    """What a chunk adds to the message; unset fields are omitted, as OpenAI does."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if v is not None}
-
-
-class ChunkChoice(BaseModel):
-    """One choice of a streaming chunk."""
-
-    index: int = 0
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """A ``chat.completion.chunk`` object (one SSE event)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     agentspec: dict[str, Any] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_extras(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # `usage` appears only in the final usage chunk, `agentspec` only in the finish chunk.
-        data: dict[str, Any] = handler(self)
-        for key in ("usage", "agentspec"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
-
-class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models``."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "agentspec"
 
 
 class ModelList(BaseModel):
-    """The body of ``GET /v1/models``."""
+    """The body of ``GET /v1/models`` (openai has a client-side page type, no model for it)."""
 
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[Model]

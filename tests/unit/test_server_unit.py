@@ -290,6 +290,33 @@ def test_streaming_equals_non_streaming(text: str) -> None:
         [(c["function"]["name"], c["function"]["arguments"]) for c in want]
 
 
+def test_response_bodies_carry_only_the_fields_the_server_sets() -> None:
+    # The bodies are openai's models sent with exclude_unset: none of their other optional
+    # fields (refusal, audio, service_tier, ...) may leak onto the wire as nulls.
+    client, _ = _client()
+    body = _body('CALL get_weather {"c": 1}', tools=[WEATHER],
+                 stream_options={"include_usage": True})
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert set(whole) == {"id", "object", "created", "model", "choices", "usage",
+                          "system_fingerprint", "agentspec"}
+    (choice,) = whole["choices"]
+    assert set(choice) == {"index", "message", "finish_reason", "logprobs"}
+    assert set(choice["message"]) == {"role", "content", "tool_calls"}
+    assert set(choice["message"]["tool_calls"][0]) == {"id", "type", "function"}
+    assert set(whole["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    chunks, _ = _stream(client, body)
+    keys = {"id", "object", "created", "model", "choices", "system_fingerprint"}
+    assert all(set(c) == keys for c in chunks[:-2])
+    assert set(chunks[-2]) == keys | {"agentspec"} and set(chunks[-1]) == keys | {"usage"}
+    assert all(set(c["choices"][0]) == {"index", "delta", "finish_reason", "logprobs"}
+               for c in chunks[:-1])
+    (call,) = [tc for c in chunks[:-1] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert set(call) == {"index", "id", "type", "function"}
+    assert client.get("/v1/models").json()["data"] == [client.get("/v1/models/fake-model").json()]
+    assert set(client.get("/v1/models/fake-model").json()) == {"id", "object", "created",
+                                                               "owned_by"}
+
+
 def test_tool_text_filter_holds_back_tags() -> None:
     f = ToolTextFilter(tools_active=True)
     text = "Sure thing.  <tool_call>{}"
