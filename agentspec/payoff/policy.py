@@ -239,7 +239,7 @@ class _Calibrated:
     r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1). The value
     is the decayed mean of the tokens per second the step would have committed had the
     cache draft been cut by this estimate (``value``), scored before r moves (out of
-    sample).
+    sample), over a longer memory than r (``value_decay``): single decisions are noisy.
     """
 
     def __init__(self, prior: float, decay: float, value_decay: float) -> None:
