@@ -78,6 +78,7 @@ from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.types import Draft
 
 CACHE, MODEL, NONE = "cache", "model", "none"
+GATES = ("predictor", "score", "whole")  # how the cost-aware policy gates cache drafts
 Cost = Callable[[int], float]  # c(k): seconds of one target forward over k tokens
 PRELOAD_K = 32  # draft lengths whose c(k + 1) is read when a policy is built
 
@@ -233,39 +234,43 @@ class _RateEstimate:
 
 
 class _Calibrated:
-    """One estimate x of a cache draft's full-length accepted length y, calibrated online,
-    and the value of the decisions it leads to.
+    """One estimate x of a cache draft's full-length accepted length y, calibrated online:
+    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1)."""
 
-    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1). The value
-    is the decayed mean of the tokens per second the step would have committed had the
-    cache draft been cut by this estimate (``value``), scored before r moves (out of
-    sample), over a longer memory than r (``value_decay``): single decisions are noisy.
-    """
-
-    def __init__(self, prior: float, decay: float, value_decay: float) -> None:
-        self.prior, self.decay, self.value_decay = prior, decay, value_decay
+    def __init__(self, prior: float, decay: float) -> None:
+        self.prior, self.decay = prior, decay
         self.seen = self.expected = prior
-        self.gain = self.weight = 0.0
 
     @property
     def ratio(self) -> float:
         """r, clipped to [0.2, 5]."""
         return min(5.0, max(0.2, self.seen / self.expected))
 
-    @property
-    def value(self) -> float:
-        """Mean committed tokens per second of this estimate's recent decisions (0: none)."""
-        return self.gain / self.weight if self.weight else 0.0
-
-    def add(self, x: float, y: int, rate: float) -> None:
-        """One outcome: the estimate was ``x`` (uncalibrated), the truth ``y``, and the
-        decision r·x led to would have committed ``rate`` tokens per second."""
-        v, d = self.value_decay, self.decay
-        self.gain = v * self.gain + rate
-        self.weight = v * self.weight + 1.0
+    def add(self, x: float, y: int) -> None:
+        """One outcome: the estimate was ``x`` (uncalibrated), the truth ``y``."""
+        d = self.decay
         prior = (1 - d) * self.prior
         self.seen = d * self.seen + y + prior
         self.expected = d * self.expected + x + prior
+
+
+class _Value:
+    """The decayed mean tokens per second one gating rule's decisions would have committed
+    (a longer memory than the calibration: single decisions are noisy)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.gain = self.weight = 0.0
+
+    @property
+    def value(self) -> float:
+        """Mean committed tokens per second of recent decisions (0: none yet)."""
+        return self.gain / self.weight if self.weight else 0.0
+
+    def add(self, rate: float) -> None:
+        """One decision that would have committed ``rate`` tokens per second."""
+        self.gain = self.decay * self.gain + rate
+        self.weight = self.decay * self.weight + 1.0
 
 
 class ArcticRule:
@@ -381,10 +386,12 @@ class CostAwarePolicy:
         # (0 until measured, so the model gets tried); a median, so that one slow step (a
         # garbage collection, a busy machine) does not price the model out.
         self._token_costs: deque[float] = deque(maxlen=9)
-        # The two calibrated estimates of y: the predictor's ŷ and the index's own score.
-        self._pred = _Calibrated(calibration_prior, calibration_decay, choice_decay)
-        self._score = _Calibrated(calibration_prior, calibration_decay, choice_decay)
-        self._whole = _Calibrated(calibration_prior, calibration_decay, choice_decay)
+        # The two calibrated estimates of y: the predictor's ŷ and the index's own score,
+        # and what each gating rule's decisions would have committed (GATES order: the
+        # first wins a tie).
+        self._pred = _Calibrated(calibration_prior, calibration_decay)
+        self._score = _Calibrated(calibration_prior, calibration_decay)
+        self._values = {gate: _Value(choice_decay) for gate in GATES}
 
     @property
     def calibration(self) -> float:
@@ -397,10 +404,11 @@ class CostAwarePolicy:
         by the calibrated ŷ), ``"score"`` (cut by the cache's calibrated score) or
         ``"whole"`` (verified whole, as the ungated cache does): whichever would have
         committed the most tokens per second on recent drafts; the predictor on a tie."""
-        best, name = self._pred.value, "predictor"
-        for other, label in ((self._score, "score"), (self._whole, "whole")):
-            if other.weight and other.value > best:
-                best, name = other.value, label
+        best, name = 0.0, GATES[0]
+        for gate in GATES:
+            v = self._values[gate]
+            if v.weight and v.value > best:
+                best, name = v.value, gate
         return name
 
     def _cut(self, y: float, n: int) -> tuple[int, float]:
@@ -445,14 +453,15 @@ class CostAwarePolicy:
                 y = min(self._pred.ratio * raw, n)
             else:
                 y = min(self._score.ratio * score, n)
-            mix = fit_copy_acceptance(y, n, self.miss_rate)
-            k, rate = best_length(mix.expected, n, self.cost)
             if gate == "whole":
                 # The ungated cache: the whole draft, never plain decoding, and against the
                 # model drafter the rate whole drafts have realised lately (the estimates
-                # behind ``mix`` are the ones that lost).
+                # of y are the ones that lost).
                 k = n
-                rate = max(self._whole.value, math.nextafter(options[0][0], math.inf))
+                rate = max(self._values["whole"].value,
+                           math.nextafter(options[0][0], math.inf))
+            else:
+                k, rate = self._cut(y, n)  # k = 0: plain decoding wins (it is listed first)
             options.append((rate, Choice(CACHE, k, y)))
         if model_len > 0:
             k, rate = best_length(geometric(self.model_alpha), model_len, self.cost,
@@ -493,14 +502,13 @@ class CostAwarePolicy:
         if not math.isfinite(raw):
             return
         n = max(length, accepted)
-        compare = n > 0 and math.isfinite(score)
-        rate = self._realised(self._cut(self._pred.ratio * raw, n)[0], accepted) if compare \
-            else 0.0
-        self._pred.add(raw, accepted, rate)
-        if compare:
-            rate = self._realised(self._cut(self._score.ratio * score, n)[0], accepted)
-            self._score.add(score, accepted, rate)
-            self._whole.add(n, accepted, self._realised(n, accepted))
+        if n > 0 and math.isfinite(score):
+            cuts = {"predictor": self._cut(self._pred.ratio * raw, n)[0],
+                    "score": self._cut(self._score.ratio * score, n)[0], "whole": n}
+            for gate in GATES:
+                self._values[gate].add(self._realised(cuts[gate], accepted))
+            self._score.add(score, accepted)
+        self._pred.add(raw, accepted)
 
 
 def _memo(cost: Cost) -> Cost:
