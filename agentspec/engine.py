@@ -28,6 +28,7 @@ from agentspec.interfaces import (
     PositionLimited,
     RequestAware,
     Target,
+    TreeTarget,
     Verifier,
 )
 from agentspec.sampling import default_generator
@@ -42,7 +43,12 @@ from agentspec.types import (
     VerifyResult,
 )
 from agentspec.verifiers.greedy import GreedyVerifier
-from agentspec.verifiers.tree import branch_rows, greedy_branch_accept
+from agentspec.verifiers.tree import (
+    branch_rows,
+    greedy_branch_accept,
+    greedy_tree_accept,
+    tree_rows,
+)
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -365,8 +371,10 @@ class SpeculativeDecoder:
         grammar = self._constraint
         if grammar is not None:  # cut at the first forbidden token; trees -> one branch
             draft = grammar.prepare(draft)
+        if draft.is_tree and not self._tree_ok(sampling):
+            draft = draft.first_branch()
         if draft.is_tree:
-            result = self._verify_tree(pending, draft, sampling)
+            result = self._verify_tree(pending, draft)
         else:
             logits = self.target.score([pending, *draft.tokens])  # [k+1, V]
             if grammar is not None:
@@ -423,25 +431,18 @@ class SpeculativeDecoder:
         if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab:
             raise DraftError(f"drafter {draft.source!r} proposed token ids outside [0, {vocab})")
 
-    def _verify_tree(self, pending: int, draft: Draft, sampling: SamplingParams) -> VerifyResult:
-        """Verify a tree draft greedily, one branch per batch row (lossless; see
-        :mod:`agentspec.verifiers.tree`), leaving pending + accepted tokens cached.
-
-        Raises:
-            ConfigError: a sampled request, an approximate verifier, or a target that
-                cannot score batches.
-        """
-        if not sampling.greedy or not self.verifier.lossless:
-            raise ConfigError(
-                f"drafter {draft.source!r} returned a tree draft: trees are verified with "
-                "strict greedy decoding only (use chain drafts for sampling or ASD)"
-            )
+    def _verify_tree(self, pending: int, draft: Draft) -> VerifyResult:
+        """Verify a tree draft greedily (lossless; see :mod:`agentspec.verifiers.tree`),
+        leaving pending + accepted tokens cached: with tree attention in one row when the
+        target has it, else one batch row per branch (``max_branches`` longest)."""
         target = self.target
-        if not isinstance(target, BatchTarget):
-            raise ConfigError(
-                f"drafter {draft.source!r} returned a tree draft but the target is no "
-                "BatchTarget (score_batch/select_row) to verify its branches"
-            )
+        if isinstance(target, TreeTarget):
+            tokens, parents = tree_rows(draft, pending)
+            logits = target.score_tree(tokens, parents)  # [k+1, V]
+            path, token = greedy_tree_accept(tokens, parents, logits)
+            target.keep_tree_path([i + 1 for i in path])
+            return VerifyResult([*(draft.tokens[i] for i in path), token], len(path), path)
+        assert isinstance(target, BatchTarget)  # _tree_ok
         rows, paths = branch_rows(draft, pending, self.config.max_branches)
         logits = target.score_batch(rows)  # [K, k+1, V]
         row, n, token = greedy_branch_accept(rows, logits)
@@ -450,3 +451,10 @@ class SpeculativeDecoder:
         accepted = list(rows[row][1 : n + 1])
         # Accepted padding (a short branch's repeated last token) has no tree node.
         return VerifyResult([*accepted, token], n, paths[row][:n])
+
+    def _tree_ok(self, sampling: SamplingParams) -> bool:
+        """Whether a tree draft can be verified as a tree: strict greedy decoding (trees
+        under sampling would need a tree-aware acceptance rule) on a target that scores
+        trees or batches. Otherwise the tree's first branch is verified as a chain."""
+        return (sampling.greedy and self.verifier.lossless
+                and isinstance(self.target, (TreeTarget, BatchTarget)))

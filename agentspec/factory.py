@@ -42,7 +42,7 @@ def suffix_config(spec: AgentSpec) -> SuffixConfig:
     """The session cache's settings for ``spec``'s drafting policy (scope, draft length,
     tree drafts); the other fields keep :class:`SuffixConfig`'s defaults."""
     d = spec.drafting
-    return SuffixConfig(scope=d.scope, max_tokens=d.max_draft, tree=d.tree)
+    return SuffixConfig(scope=d.scope, max_tokens=d.max_draft, tree=spec.tree_drafts)
 
 
 def suffix_drafter(spec: AgentSpec, store: Any | None = None) -> SuffixDrafter:

@@ -91,6 +91,23 @@ class BatchTarget(Target, Protocol):
 
 
 @runtime_checkable
+class TreeTarget(Target, Protocol):
+    """A target that verifies a token tree in one row with tree attention: each node sees
+    the cached prefix and its own ancestors, so a tree costs one forward over its nodes
+    (branch rows would pay for every branch's shared prefix again)."""
+
+    def score_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Append the tree (``tokens[0]`` the root, ``parents[0] == -1``, parents before
+        children) to the cached prefix; returns logits ``[len(tokens), V]``."""
+        ...
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """Keep the root and the tree nodes ``path`` (indices into the last
+        :meth:`score_tree`'s tokens, root side first) in the cache, drop the rest."""
+        ...
+
+
+@runtime_checkable
 class Drafter(Protocol):
     """A source of draft tokens. Drafters never see target logits."""
 

@@ -152,7 +152,7 @@ class Runtime:
         self.store = store
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
-        self._drafters: dict[DraftingPolicy, Drafter | None] = {}
+        self._drafters: dict[tuple[DraftingPolicy, bool], Drafter | None] = {}
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
@@ -187,8 +187,9 @@ class Runtime:
 
     def drafter_for(self, spec: AgentSpec) -> Drafter | None:
         """The (shared, stateful) drafter serving ``spec``'s drafting policy."""
-        # Keyed by the whole (frozen) drafting policy: every field may shape the drafter.
-        key = spec.drafting
+        # Keyed by the whole (frozen) drafting policy (every field may shape the drafter)
+        # and by whether it drafts trees (which also depends on the verifier).
+        key = (spec.drafting, spec.tree_drafts)
         if key not in self._drafters:
             self._drafters[key] = build_drafter(spec, self.target, self.store)
         return self._drafters[key]

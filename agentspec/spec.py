@@ -33,9 +33,12 @@ class DraftingPolicy(BaseModel):
             or a local Hugging Face folder whose tokenizer matches the target's.
         min_draft: Drafts shorter than this are not verified (the step decodes one token):
             on CPU a 2-3 token forward can cost more than it saves.
-        tree: ``suffix`` only: draft a token tree (the most probable branches of the
-            suffix index) instead of one chain; verified branch by branch in one batched
-            forward, strict greedy only.
+        tree: ``suffix`` only: draft one token tree merging every index's most probable
+            continuations (``agentspec.drafters.draft_tree``) instead of the best index's
+            chain, verified in one forward with tree attention; greedy requests only
+            (a sampled request verifies the tree's first branch). ``None`` (default): on
+            for ``suffix`` under single-draft lossless greedy verification, off otherwise
+            (see :attr:`AgentSpec.tree_drafts`).
         model_max: Most tokens the model drafter drafts per step (``model`` / ``hybrid``).
         hvd_policy: ``hybrid`` only: which source policy picks cache or model each step:
             ``cost_aware`` (default), ``threshold`` (the paper's ŷ >= τ rule) or
@@ -49,7 +52,7 @@ class DraftingPolicy(BaseModel):
     scope: Scope = "tenant"
     draft_model: str | None = None
     min_draft: int = Field(default=1, ge=1, le=64)
-    tree: bool = False
+    tree: bool | None = None
     model_max: int = Field(default=6, ge=1, le=64)
     hvd_policy: HvdPolicy = "cost_aware"
 
@@ -141,12 +144,25 @@ class AgentSpec(BaseModel):
     def _valid_name(cls, v: str) -> str:
         return check_id("agent", v)
 
+    def _greedy_single_draft(self) -> bool:
+        v = self.verifier
+        return v.mode == "lossless" and v.temperature == 0 and v.num_drafts == 1
+
+    @property
+    def tree_drafts(self) -> bool:
+        """Whether the session cache drafts token trees: ``drafting.tree`` when set, else
+        on for ``method="suffix"`` under single-draft lossless greedy verification (on
+        agent logs a merged tree accepts 7-8 % more per step than the best chain)."""
+        d = self.drafting
+        if d.tree is not None:
+            return d.tree
+        return d.method == "suffix" and self._greedy_single_draft()
+
     @model_validator(mode="after")
     def _consistent(self) -> AgentSpec:
-        # Tree drafts are verified branch by branch with the strict greedy rule only.
+        # Tree drafts are verified with the strict greedy rule only.
         v = self.verifier
-        if self.drafting.tree and (v.mode != "lossless" or v.temperature > 0
-                                   or v.num_drafts > 1):
+        if self.drafting.tree and not self._greedy_single_draft():
             raise ValueError(
                 "drafting.tree=True is verified with strict greedy decoding only: needs "
                 f"verifier mode='lossless', temperature=0, num_drafts=1; got mode={v.mode!r}, "

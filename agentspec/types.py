@@ -7,6 +7,7 @@ Drafters produce a :class:`Draft`, verifiers turn a draft plus target logits int
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -154,9 +155,11 @@ class Draft:
                 raise DraftError(
                     f"draft has {len(self.tokens)} tokens but {len(self.parents)} parents"
                 )
-            for i, p in enumerate(self.parents):
-                if not -1 <= p < i:
-                    raise DraftError(f"draft parent {p} of token {i} must be in [-1, {i})")
+            # Checked in C (map/any): this runs for every tree draft of every step.
+            if self.parents and (min(self.parents) < -1
+                                 or any(map(operator.ge, self.parents, range(len(self.parents))))):
+                i, p = next((i, p) for i, p in enumerate(self.parents) if not -1 <= p < i)
+                raise DraftError(f"draft parent {p} of token {i} must be in [-1, {i})")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -186,6 +189,21 @@ class Draft:
                 i = self.parents[i]
             paths.append(path[::-1])
         return sorted(paths, key=lambda path: (-len(path), path[-1]))
+
+    def first_branch(self) -> Draft:
+        """A tree's main branch as a chain: from the first root, each node's first-listed
+        child (drafters list the likeliest continuation first); a chain is returned as is."""
+        if self.parents is None:
+            return self
+        nodes: list[int] = []
+        cur = -1
+        for i, p in enumerate(self.parents):
+            if p == cur:
+                nodes.append(i)
+                cur = i
+        probs = self.probs[nodes] if self.probs is not None else None
+        return Draft([self.tokens[i] for i in nodes], None, probs, self.score,
+                     self.match_len, self.source, self.position)
 
     def truncated(self, n: int) -> Draft:
         """The chain draft cut to its first ``n`` tokens (trees keep nodes whose index < n)."""

@@ -51,7 +51,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,8 @@ def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
     except ValueError as exc:
         raise ConfigError(f"{ENV_SCOPE}={scope!r} / num_speculative_tokens="
                           f"{num_speculative_tokens}: {exc}") from None
-    return suffix_config(spec), min_score
+    # vLLM verifies one chain per request: no tree drafts.
+    return replace(suffix_config(spec), tree=False), min_score
 
 
 class AgentSpecProposer:

@@ -118,7 +118,7 @@ class Calibration:
 
     def learn(self, cands: Sequence[tuple[str, Speculation]], committed: Sequence[int]) -> None:
         """Score each candidate against the committed tokens (a prefix of the truth)."""
-        for level, (tokens, match_len, score, parents) in cands:
+        for level, (tokens, match_len, score, parents, _) in cands:
             if parents is not None:
                 continue  # tree drafts: the chosen branch is unknown here
             n = 0

@@ -27,8 +27,9 @@ from agentspec.errors import ConfigError
 
 BACKENDS = ("auto", "arctic", "python")
 
-# (tokens, match length, score, parents or None)
-Speculation = tuple[list[int], int, float, "list[int] | None"]
+# (tokens, match length, score, parents, path probabilities); the last two are None for
+# chains
+Speculation = tuple[list[int], int, float, "list[int] | None", "list[float] | None"]
 
 
 class Tree(Protocol):
@@ -87,12 +88,14 @@ class ArcticTree:
 
     def speculate(self, window: Sequence[int], limit: int, factor: float, offset: float,
                   min_prob: float, tree: bool) -> Speculation:
-        """One ``SuffixTree.speculate`` call; ``parents`` only for tree drafts."""
+        """One ``SuffixTree.speculate`` call; ``parents`` and ``probs`` only for trees."""
         d = self._tree.speculate(window, limit, factor, offset, min_prob, tree)
         toks = d.token_ids
         if not toks:
-            return [], 0, 0.0, None
-        return toks, d.match_len, d.score, (d.parents if tree else None)
+            return [], 0, 0.0, None, None
+        if tree:
+            return toks, d.match_len, d.score, d.parents, d.probs
+        return toks, d.match_len, d.score, None, None
 
     def memory_bytes(self) -> int:
         """arctic's own estimate of the tree's size."""
@@ -131,10 +134,10 @@ class PyTree:
         """``SuffixIndex.speculate`` (or ``speculate_tree``)."""
         if tree:
             t = self._index.speculate_tree(window, limit, self._depth, factor, offset, min_prob)
-            return t.tokens, t.match_len, t.score, t.parents
+            return t.tokens, t.match_len, t.score, t.parents, t.probs
         toks, ell, score = self._index.speculate(window, limit, self._depth, factor, offset,
                                                  min_prob)
-        return toks, ell, score, None
+        return toks, ell, score, None, None
 
     def memory_bytes(self) -> int:
         """The automaton's estimate plus the kept tokens."""

@@ -78,6 +78,7 @@ from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.types import Draft
 
 CACHE, MODEL, NONE = "cache", "model", "none"
+GATE_MARGIN = 0.1
 GATES = ("predictor", "score", "whole")  # how the cost-aware policy gates cache drafts
 Cost = Callable[[int], float]  # c(k): seconds of one target forward over k tokens
 PRELOAD_K = 32  # draft lengths whose c(k + 1) is read when a policy is built
@@ -362,6 +363,7 @@ class CostAwarePolicy:
         calibration_decay: float = 0.9,
         calibration_prior: float = 8.0,
         choice_decay: float = 0.98,
+        gate_margin: float = GATE_MARGIN,
     ) -> None:
         for label, value in (("model_alpha", model_alpha), ("miss_rate", miss_rate)):
             if not 0.0 < value < 1.0:
@@ -392,6 +394,9 @@ class CostAwarePolicy:
         self._pred = _Calibrated(calibration_prior, calibration_decay)
         self._score = _Calibrated(calibration_prior, calibration_decay)
         self._values = {gate: _Value(choice_decay) for gate in GATES}
+        if not 0.0 <= gate_margin < 1.0:
+            raise ConfigError(f"gate_margin must be in [0, 1), got {gate_margin!r}")
+        self.gate_margin = gate_margin
 
     @property
     def calibration(self) -> float:
@@ -402,12 +407,17 @@ class CostAwarePolicy:
     def estimator(self) -> str:
         """How cache drafts are gated now (see the module docstring): ``"predictor"`` (cut
         by the calibrated ŷ), ``"score"`` (cut by the cache's calibrated score) or
-        ``"whole"`` (verified whole, as the ungated cache does): whichever would have
-        committed the most tokens per second on recent drafts; the predictor on a tie."""
-        best, name = 0.0, GATES[0]
+        ``"whole"`` (verified whole, as the ungated cache does). Once whole drafts have
+        been scored, a cutting rule must beat them by ``gate_margin`` (its edge has to
+        exceed the noise of ~50 decisions: a cut that only ties costs accepted tokens and
+        forwards for nothing); before any evidence, the predictor."""
+        whole = self._values["whole"]
+        if not whole.weight:
+            return GATES[0]
+        best, name = whole.value * (1.0 + self.gate_margin), "whole"
         for gate in GATES:
             v = self._values[gate]
-            if v.weight and v.value > best:
+            if gate != "whole" and v.weight and v.value > best:
                 best, name = v.value, gate
         return name
 

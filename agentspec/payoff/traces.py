@@ -267,7 +267,8 @@ def generate_traces(
     from agentspec.types import SessionRef
 
     tok = target.tokenizer
-    agent = AgentSpec(drafting=DraftingPolicy(method="suffix", max_draft=16))
+    # Chain drafts: the predictor rates one cache chain per step (HVD's cache drafts).
+    agent = AgentSpec(drafting=DraftingPolicy(method="suffix", max_draft=16, tree=False))
     engine = build_engine(
         agent, target, build_drafter(agent, target),
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos_token_ids=eos_ids(tok),

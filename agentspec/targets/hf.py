@@ -77,6 +77,7 @@ class HFTarget:
         # the final norm (it runs on every position even when only the last logits are
         # kept). Holding a reference costs nothing; only last_features() copies.
         self._features: torch.Tensor | None = None
+        self._tree_n = 0  # tokens of the latest score_tree(), until keep_tree_path()
         norm = getattr(getattr(model, "model", None), "norm", None)
         if isinstance(norm, torch.nn.Module):
             norm.register_forward_hook(self._keep_features)
@@ -166,6 +167,64 @@ class HFTarget:
         with torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
         return out.logits.float().cpu()  # [K, n, V] (on the CPU, as _forward)
+
+    def score_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Append a token tree to the cached prefix in one forward (tree attention).
+
+        ``tokens[0]`` is the pending token (the root); node ``i > 0`` follows
+        ``tokens[parents[i]]``. Each position attends to the cached prefix and to its own
+        ancestors only, at position ``cached + depth``, so its logits equal those of the
+        chain root -> ... -> node. Call :meth:`keep_tree_path` before the next forward.
+
+        Returns:
+            Logits ``[len(tokens), V]``.
+        """
+        if self._cache is None:
+            raise ConfigError("score_tree() called before prefill()")
+        n = len(tokens)
+        if n == 0 or len(parents) != n or parents[0] != -1:
+            raise ConfigError("score_tree() needs a root token (parent -1) and a parent per token")
+        past = self.num_cached
+        depth = [0] * n
+        for i in range(1, n):
+            if not 0 <= parents[i] < i:
+                raise ConfigError(f"score_tree(): parent {parents[i]} of node {i} must come "
+                                  "before it")
+            depth[i] = depth[parents[i]] + 1
+        self.check_fits(past + max(depth) + 1)
+        # anc[i, j]: node j is node i or one of its ancestors (rows built parent first).
+        anc = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
+        for i in range(n):
+            if i:
+                anc[i] = anc[parents[i]]
+            anc[i, i] = True
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(1, 1, n, past + n, dtype=dtype)  # [1, 1, n, past + n], additive
+        mask[0, 0, :, past:].masked_fill_(~anc, torch.finfo(dtype).min)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        pos = torch.tensor([[past + d for d in depth]], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=mask.to(self.device),
+                             position_ids=pos, use_cache=True,
+                             **{self._cache_kw: self._cache})
+        self._tree_n = n
+        return out.logits[0].float().cpu()  # [n, V]
+
+    def keep_tree_path(self, path: Sequence[int]) -> None:
+        """After :meth:`score_tree` of ``n`` tokens: keep the root and the nodes ``path``
+        (indices into that call's tokens, root to leaf, without the root) in the cache."""
+        n_tree, self._tree_n = self._tree_n, 0
+        if not n_tree:
+            raise ConfigError("keep_tree_path() without a score_tree() before it")
+        past = self.num_cached - n_tree
+        keep = torch.tensor([*range(past + 1), *(past + int(i) for i in path)],
+                            dtype=torch.long, device=self.device)  # [past + 1 + len(path)]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        if self._features is not None and self._features.shape[1] == n_tree:
+            local = torch.tensor([0, *(int(i) for i in path)], dtype=torch.long)
+            self._features = self._features.index_select(1, local.to(self._features.device))
 
     def select_row(self, row: int) -> None:
         """Keep only cache row ``row`` of the last :meth:`score_batch`."""

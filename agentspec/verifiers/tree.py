@@ -78,3 +78,44 @@ def greedy_branch_accept(
     row = int(accepted.argmax())  # first row among equals: the longest branch
     n = int(accepted[row])
     return row, n, int(pred[row, n])
+
+
+def tree_rows(draft: Draft, pending: int) -> tuple[list[int], list[int]]:
+    """The tree of :meth:`TreeTarget.score_tree` for ``draft``: ``(tokens, parents)`` with
+    the pending token as root (index 0) and draft node ``i`` at index ``i + 1``."""
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    return [pending, *draft.tokens], [-1, *(p + 1 for p in parents)]
+
+
+def greedy_tree_accept(
+    tokens: Sequence[int], parents: Sequence[int], logits: torch.Tensor
+) -> tuple[list[int], int]:
+    """Walk a tree verified with tree attention along the target's greedy choices.
+
+    From the root, the target's argmax at the current node is looked up among its
+    children; a child holding it is accepted and becomes the current node. Every
+    committed token is the target's greedy choice after the tokens before it, so the
+    result is the model's own greedy decoding (lossless). With distinct tokens among
+    siblings (a trie) this is the longest accepted branch.
+
+    Args:
+        tokens: ``[pending, *draft]`` (see :func:`tree_rows`).
+        parents: Parent index per token, ``-1`` for the root.
+        logits: ``[len(tokens), V]``; row ``i`` predicts the token after node ``i``'s path.
+
+    Returns:
+        ``(path, token)``: the accepted draft nodes (indices into the draft, root side
+        first) and the target's greedy token after them.
+    """
+    pred = logits.argmax(-1).tolist()  # [n]
+    children: dict[tuple[int, int], int] = {}
+    for i in range(len(tokens) - 1, 0, -1):  # reversed: the first listed sibling wins
+        children[(parents[i], int(tokens[i]))] = i
+    path: list[int] = []
+    cur = 0
+    while True:
+        nxt = children.get((cur, int(pred[cur])))
+        if nxt is None:
+            return path, int(pred[cur])
+        path.append(nxt - 1)
+        cur = nxt

@@ -106,6 +106,29 @@ def test_every_drafting_option_reaches_the_loop(tiny_target) -> None:  # type: i
         AgentSpec(drafting=DraftingPolicy(tree=True), verifier=VerifierPolicy(temperature=0.7))
 
 
+def test_greedy_suffix_drafts_trees_by_default(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    assert AgentSpec().tree_drafts
+    off = [
+        AgentSpec(drafting=DraftingPolicy(tree=False)),
+        AgentSpec(verifier=VerifierPolicy(temperature=0.7)),
+        AgentSpec(verifier=VerifierPolicy(sampler="multi_draft", num_drafts=2)),
+        AgentSpec(verifier=VerifierPolicy(mode="budgeted", budget=4.0)),
+        AgentSpec(drafting=DraftingPolicy(method="prompt_lookup")),
+    ]
+    assert not any(spec.tree_drafts for spec in off)
+    default = build_drafter(AgentSpec())
+    assert isinstance(default, SuffixDrafter) and default.config.tree is True
+    # The runtime keeps one drafter per (drafting policy, trees): a sampled agent with the
+    # same drafting policy gets chains.
+    rt = Runtime(tiny_target)
+    trees, chains = rt.drafter_for(AgentSpec()), rt.drafter_for(off[1])
+    assert isinstance(chains, SuffixDrafter) and chains is not trees
+    assert chains.config.tree is False
+    with pytest.raises(ValueError, match="strict greedy"):
+        AgentSpec(drafting=DraftingPolicy(tree=True),
+                  verifier=VerifierPolicy(sampler="multi_draft", num_drafts=2))
+
+
 def test_tree_drafts_and_min_draft_through_the_factory_are_lossless(
     tiny_target, char_decode  # type: ignore[no-untyped-def]
 ) -> None:

@@ -407,7 +407,9 @@ def test_cost_aware_policy_falls_back_to_the_cache_score_when_the_predictor_is_o
     def cost(k: int) -> float:
         return 0.04 + 0.0019 * k
 
-    policy = CostAwarePolicy(constant_predictor(3.0), cost)
+    # No margin: the score's edge over whole drafts here is small (c(1) is half of c(21));
+    # test_gate_margin_keeps_whole_drafts_against_a_cut_that_only_ties covers the margin.
+    policy = CostAwarePolicy(constant_predictor(3.0), cost, gate_margin=0.0)
     assert policy.estimator == "predictor"
     policy.outcome(3.0, 20)  # no score, no length: nothing to compare, the predictor stays
     assert policy.estimator == "predictor"
@@ -420,11 +422,40 @@ def test_cost_aware_policy_falls_back_to_the_cache_score_when_the_predictor_is_o
     assert choice.raw == 3.0 and choice.score == 18.0
     assert policy.choose(bad, 2, phi).predicted < 1.0
 
-    trusted = CostAwarePolicy(Ranked(), cost)  # ŷ = the truth; the score is reversed
+    trusted = CostAwarePolicy(Ranked(), cost, gate_margin=0.0)  # ŷ = the truth; score reversed
     for _ in range(10):
         trusted.outcome(20.0, 20, 0.5, 20)
         trusted.outcome(0.0, 0, 18.0, 20)
     assert trusted.estimator == "predictor"
+
+
+def test_gate_margin_keeps_whole_drafts_against_a_cut_that_only_ties() -> None:
+    """A cutting rule takes the gate from whole drafts only when it would have committed
+    more than ``1 + gate_margin`` times their tokens per second: with the default 10 %,
+    the score's 4 % edge above keeps whole drafts; a 25 % edge (drafts that miss cost
+    more to verify whole) hands the gate to the score."""
+    good = Draft(tokens=list(range(20)), score=18.0, match_len=30, source="suffix")
+    bad = Draft(tokens=list(range(20)), score=0.5, match_len=1, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+
+    def flat(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    def steep(k: int) -> float:
+        return 0.04 + 0.01 * k
+
+    for cost, gate in ((flat, "whole"), (steep, "score")):
+        policy = CostAwarePolicy(constant_predictor(3.0), cost)
+        for _ in range(10):
+            policy.outcome(3.0, 20, good.score, 20)
+            policy.outcome(3.0, 0, bad.score, 20)
+        assert policy.estimator == gate, cost.__name__
+        assert policy.choose(good, 2, phi).length == 20
+        worse = policy.choose(bad, 2, phi)  # whole: verified; score: the model drafts
+        assert (worse.source, worse.length) == (("cache", 20) if gate == "whole" else
+                                                ("model", 2))
+    with pytest.raises(ValueError, match="gate_margin"):
+        CostAwarePolicy(constant_predictor(3.0), flat, gate_margin=1.0)
 
 
 def test_cost_aware_policy_verifies_whole_drafts_when_every_estimate_cuts_too_much() -> None:

@@ -33,14 +33,16 @@ def _run(drafter: SuffixDrafter, prompt: list[int], output: list[int], ref: Sess
     return drafts
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scope", ["session", "agent", "tenant"])
-def test_never_drafts_across_tenants(backend: str, scope: str) -> None:
+def test_never_drafts_across_tenants(backend: str, scope: str, tree: bool) -> None:
     # Each tenant writes tokens from its own range; whatever the scope, sessions and
     # agents, every draft for a tenant holds only tokens of that tenant's range.
     rng = random.Random(11)
     ranges = {"acme": (100, 160), "evil": (200, 260)}
-    drafter = SuffixDrafter(SuffixConfig(scope=scope, backend=backend, max_tokens=16))
+    drafter = SuffixDrafter(SuffixConfig(scope=scope, backend=backend, max_tokens=16,
+                                         tree=tree))
     docs = {t: [rng.randrange(*r) for _ in range(120)] for t, r in ranges.items()}
     for turn in range(12):
         tenant = ("acme", "evil")[turn % 2]

@@ -1,4 +1,5 @@
-"""Tree drafts: branches verified in one batched forward, output token-identical to greedy."""
+"""Tree drafts: verified with tree attention (or one batch row per branch), output
+token-identical to greedy."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from agentspec.drafters import SuffixDrafter
 from agentspec.drafters.session_cache import SuffixConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
+from agentspec.interfaces import BatchTarget, TreeTarget
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
-from agentspec.verifiers import BudgetConfig, BudgetedVerifier
-from agentspec.verifiers.tree import branch_rows, greedy_branch_accept
+from agentspec.verifiers import BudgetConfig, BudgetedVerifier, KeyedVerifier
+from agentspec.verifiers.tree import (
+    branch_rows,
+    greedy_branch_accept,
+    greedy_tree_accept,
+    tree_rows,
+)
 from tests.conftest import TINY_VOCAB
 from tests.unit.test_engine_lossless import hf_greedy
 
@@ -99,16 +106,68 @@ def test_tree_drafts_are_lossless(tiny_model, tiny_target) -> None:  # type: ign
         assert SpeculativeDecoder(tiny_target).generate(prompt, 5).tokens == ref[:5]
 
 
-def test_tree_drafts_refuse_sampling_and_asd(tiny_model, tiny_target) -> None:  # type: ignore[no-untyped-def]
+def test_sampled_and_asd_requests_verify_the_first_branch(tiny_model, tiny_target) -> None:  # type: ignore[no-untyped-def]
+    # Trees need strict greedy verification; sampled (keyed) and ASD requests get the
+    # tree's first branch as a chain. Keyed sampling is draft-independent: the output
+    # equals plain keyed sampling with the same seed, whatever was drafted.
     ref = hf_greedy(tiny_model, [4, 5, 6], 30, None)
-    engine = SpeculativeDecoder(tiny_target, TreeDrafter(ref, random.Random(1)))
-    with pytest.raises(ConfigError, match="strict greedy"):
-        engine.generate([4, 5, 6], 10, sampling=SamplingParams(temperature=1.0, seed=0))
+    sp = SamplingParams(temperature=1.0, seed=0)
+    plain = SpeculativeDecoder(tiny_target, None, KeyedVerifier()).generate([4, 5, 6], 20,
+                                                                          sampling=sp)
+    engine = SpeculativeDecoder(tiny_target, TreeDrafter(ref, random.Random(1)),
+                                KeyedVerifier())
+    got = engine.generate([4, 5, 6], 20, sampling=sp)
+    assert got.tokens == plain.tokens
+    assert any(s.draft_len for s in got.stats.steps)
     asd = SpeculativeDecoder(
         tiny_target, TreeDrafter(ref, random.Random(1)), BudgetedVerifier(BudgetConfig(4.0))
     )
-    with pytest.raises(ConfigError, match="strict greedy"):
-        asd.generate([4, 5, 6], 10)
+    assert len(asd.generate([4, 5, 6], 10).tokens) == 10
+
+
+def test_first_branch_follows_first_children() -> None:
+    d = Draft([10, 11, 12, 13, 14, 15], parents=[-1, 0, 1, 0, -1, 4])
+    assert d.first_branch() == Draft([10, 11, 12])
+    assert Draft([1, 2]).first_branch() == Draft([1, 2])
+
+
+class _BatchOnly:
+    """The target without tree attention: trees are verified one branch per batch row."""
+
+    def __init__(self, target) -> None:  # type: ignore[no-untyped-def]
+        self._t = target
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name in ("score_tree", "keep_tree_path"):
+            raise AttributeError(name)
+        return getattr(self._t, name)
+
+
+@pytest.mark.parametrize("attention", ["tree", "branch_rows"])
+def test_tree_verification_matches_greedy(tiny_model, tiny_target, attention) -> None:  # type: ignore[no-untyped-def]
+    target = tiny_target if attention == "tree" else _BatchOnly(tiny_target)
+    assert isinstance(target, TreeTarget) == (attention == "tree")
+    assert isinstance(target, BatchTarget)
+    rng = random.Random(9)
+    for trial in range(6):
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randint(1, 20))]
+        expected = hf_greedy(tiny_model, prompt, 25, None)
+        engine = SpeculativeDecoder(target, TreeDrafter(expected + [3] * 20, rng),
+                                    config=EngineConfig(max_draft=16, max_branches=3))
+        got = engine.generate(prompt, max_tokens=25)
+        assert got.tokens == expected, (attention, trial)
+        assert SpeculativeDecoder(tiny_target).generate(prompt, 5).tokens == expected[:5]
+
+
+def test_greedy_tree_accept_walks_the_target_choices() -> None:
+    # root (pending) -> 5 -> 6, and 5 -> 8 -> 9
+    draft = Draft([5, 6, 8, 9], parents=[-1, 0, 0, 2])
+    tokens, parents = tree_rows(draft, pending=0)
+    assert tokens == [0, 5, 6, 8, 9] and parents == [-1, 0, 1, 1, 3]
+    logits = torch.full((5, 12), -1.0)
+    for node, want in enumerate([5, 8, 2, 9, 4]):  # target argmax after each node
+        logits[node, want] = 1.0
+    assert greedy_tree_accept(tokens, parents, logits) == ([0, 2, 3], 4)
 
 
 def test_suffix_tree_drafter_is_lossless(tiny_model, tiny_target) -> None:  # type: ignore[no-untyped-def]

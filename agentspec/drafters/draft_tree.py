@@ -1,0 +1,92 @@
+"""Merging several indexes' draft trees into one token tree.
+
+The session cache drafts from several indexes each step (the request, the session, the
+agent, the tenant, the outputs; see :mod:`agentspec.drafters.session_cache`). A chain
+draft must pick one of them, and picks by score: on real agent logs an oracle that picked
+the best index every step would accept only ~3 % more. Verified together as one tree, every
+index's continuation gets its chance in the same forward, and the target's greedy walk
+keeps whichever the model actually follows (``agentspec.verifiers.tree``).
+
+Terms:
+    tree: ``tokens[i]`` follows ``tokens[parents[i]]`` (``-1``: the context), parents
+        before children, siblings likeliest first.
+    value: the path probability of a node (the chance the target walks through it, as its
+        index estimates it), times its tree's weight.
+
+Two indexes that agree share nodes: a node's value is the largest any index gives it.
+Values never grow along a path, so the ``limit`` nodes of highest value always include
+their ancestors: the cut is a plain sort.
+
+The merge runs on every drafting step, so it is compiled (``_tree_merge.c``, built by the
+package install: ~1.5 µs against ~7 µs in Python on agent logs); :func:`merge_trees_py` is
+its reference, used where no C compiler was available, and a unit test holds the two equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+
+# (weight, tokens, parents, path probabilities) of one index's draft tree
+WeightedTree = tuple[float, list[int], list[int], list[float]]
+
+
+def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int], list[int], float]:
+    """Merge draft trees into one of at most ``limit`` nodes (the reference; the session
+    cache runs the compiled twin in ``_tree_merge.c`` where it was built).
+
+    Args:
+        trees: Each index's tree with its weight, the likeliest first (its nodes are
+            listed first, so its continuation is the merged tree's first branch).
+        limit: Most nodes kept (the highest values).
+
+    Returns:
+        ``(tokens, parents, score)``: the merged tree and the sum of its nodes' values (the
+        expected accepted length, by the indexes' own estimates).
+    """
+    toks: list[int] = []
+    pars: list[int] = []
+    vals: list[float] = []
+    # (merged parent + 1) << 32 | token -> merged node: an int key hashes faster than a tuple.
+    index: dict[int, int] = {}
+    for weight, tokens, parents, probs in trees:
+        local = [0] * len(tokens)  # this tree's node -> merged node
+        for i, tok in enumerate(tokens):
+            p = parents[i]
+            mp = local[p] if p >= 0 else -1
+            key = ((mp + 1) << 32) | tok
+            v = weight * probs[i]
+            j = index.get(key)
+            if j is None:
+                j = index[key] = len(toks)
+                toks.append(tok)
+                pars.append(mp)
+                vals.append(v)
+            elif v > vals[j]:
+                vals[j] = v
+            local[i] = j
+    if len(toks) <= limit:
+        return toks, pars, sum(vals)
+    # A stable sort: on equal values a parent (lower index) stays ahead of its child.
+    keep = sorted(sorted(range(len(toks)), key=vals.__getitem__, reverse=True)[:limit])
+    new = [-1] * len(toks)
+    for n, old in enumerate(keep):
+        new[old] = n
+    return ([toks[i] for i in keep], [new[pars[i]] if pars[i] >= 0 else -1 for i in keep],
+            sum(vals[i] for i in keep))
+
+
+MergeFn = Callable[[Sequence[WeightedTree], int], tuple[list[int], list[int], float]]
+
+
+def _compiled() -> MergeFn | None:
+    try:
+        module = importlib.import_module("agentspec.drafters._tree_merge")
+    except ImportError:  # built without a C compiler: the Python reference
+        return None
+    fn: MergeFn = module.merge_trees
+    return fn
+
+
+COMPILED = _compiled()
+merge_trees: MergeFn = COMPILED or merge_trees_py
