@@ -11,11 +11,13 @@ Methods (each a fresh drafter, all fed the same turns, interleaved turn by turn 
 load hits them alike):
 
 * ``agentspec``: exactly what ``build_drafter(AgentSpec())`` returns - the product's
-  default drafter through the factory that ``Runtime`` uses;
+  default drafter through the factory that ``Runtime`` uses (greedy requests: one token
+  tree merging every index's continuations, branches verified together, the longest
+  accepted branch kept);
 * ``suffix``: the session cache limited to its session's history (``scope="session"``);
 * ``suffix_python``: the default drafter on the pure-Python index (no arctic-inference);
-* ``suffix_tree``: the default drafter drafting token trees (branches verified together,
-  the longest accepted branch kept);
+* ``suffix_chain``: the default drafter drafting chains (the best index's draft), as it
+  does for sampled requests and inside vLLM;
 * ``arctic_suffix``: arctic-inference's ``SuffixDecodingCache``, one per tenant, driven as
   vLLM's suffix proposer drives it (:class:`~agentspec.drafters.arctic.ArcticSuffixDrafter`);
 * ``prompt_lookup``: n-gram lookup in the request;
@@ -51,9 +53,9 @@ from agentspec.spec import AgentSpec
 from agentspec.types import Draft, DraftContext, VerifyResult
 from workflows.replay_traces import PACKAGED_TRACES, ReplaySession, ReplayTurn, load_sessions
 
-METHODS = ("agentspec", "suffix", "suffix_python", "suffix_tree", "arctic_suffix",
+METHODS = ("agentspec", "suffix", "suffix_python", "suffix_chain", "arctic_suffix",
            "prompt_lookup", "oracle", "none")
-DEFAULT_METHODS = "agentspec,suffix,arctic_suffix,prompt_lookup,suffix_tree,oracle,none"
+DEFAULT_METHODS = "agentspec,suffix,suffix_chain,arctic_suffix,prompt_lookup,oracle,none"
 
 
 def make_drafter(method: str, max_draft: int) -> Drafter | None:
@@ -67,9 +69,9 @@ def make_drafter(method: str, max_draft: int) -> Drafter | None:
     if method == "suffix":
         return SuffixDrafter(SuffixConfig(scope="session", max_tokens=max_draft))
     if method == "suffix_python":
-        return SuffixDrafter(SuffixConfig(max_tokens=max_draft, backend="python"))
-    if method == "suffix_tree":
-        return SuffixDrafter(SuffixConfig(max_tokens=max_draft, tree=True))
+        return SuffixDrafter(SuffixConfig(max_tokens=max_draft, backend="python", tree=True))
+    if method == "suffix_chain":
+        return SuffixDrafter(SuffixConfig(max_tokens=max_draft, tree=False))
     if method == "arctic_suffix":
         return ArcticSuffixDrafter()
     if method == "prompt_lookup":

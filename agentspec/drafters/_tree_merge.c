@@ -3,7 +3,8 @@
  * Same contract and the same result, node for node, as the Python reference
  * `draft_tree.merge_trees_py`: trees are merged in the order given; a node is identified by
  * (merged parent, token); a shared node keeps the largest value (weight * path probability);
- * at most `limit` nodes are kept, by value, largest first, ties to the earlier node; kept
+ * at most `limit` nodes are kept: the first tree's first branch, then by value, largest
+ * first, ties to the earlier node; kept
  * nodes stay in merge order (parents before children). The score is the sum of the kept
  * values, added in that order (as Python 3.11's sum() does).
  *
@@ -66,12 +67,14 @@ static Py_ssize_t *table_slot(Table *t, uint64_t key) {
 }
 
 typedef struct {
+    int main;   /* on the first tree's first branch: ranked above every other node */
     double val;
     Py_ssize_t idx;
 } Ranked;
 
 static int by_value(const void *a, const void *b) {
     const Ranked *x = a, *y = b;
+    if (x->main != y->main) return y->main - x->main;
     if (x->val != y->val) return x->val < y->val ? 1 : -1; /* larger first */
     return x->idx < y->idx ? -1 : (x->idx > y->idx); /* earlier first */
 }
@@ -91,6 +94,7 @@ static PyObject *merge_trees(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject **fast = calloc(n_trees ? 3 * n_trees : 1, sizeof(PyObject *));
     double *weights = calloc(n_trees ? n_trees : 1, sizeof(double));
     Nodes m = {0, 0, NULL, NULL, NULL};
+    char *main_branch = NULL; /* per merged node */
     Table tab = {0, NULL, NULL};
     Py_ssize_t *local = NULL;
     Ranked *rank = NULL;
@@ -123,7 +127,8 @@ static PyObject *merge_trees(PyObject *self, PyObject *args, PyObject *kwargs) {
     tab.keys = malloc(cap * sizeof(uint64_t));
     tab.vals = calloc(cap, sizeof(Py_ssize_t));
     local = malloc((total + 1) * sizeof(Py_ssize_t));
-    if (!tab.keys || !tab.vals || !local) { PyErr_NoMemory(); goto done; }
+    main_branch = calloc(total + 1, 1);
+    if (!tab.keys || !tab.vals || !local || !main_branch) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t t = 0; t < n_trees; t++) {
         PyObject *toks = fast[3 * t], *pars = fast[3 * t + 1], *probs = fast[3 * t + 2];
         Py_ssize_t n = PySequence_Fast_GET_SIZE(toks);
@@ -151,6 +156,15 @@ static PyObject *merge_trees(PyObject *self, PyObject *args, PyObject *kwargs) {
             local[i] = m.n;
             if (nodes_push(&m, tok, (long)mp, v) < 0) { PyErr_NoMemory(); goto done; }
         }
+        if (t == 0) { /* the first tree's first branch: from the root, each first child */
+            long cur = -1;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (PyLong_AsLong(seq_item(pars, i)) == cur) {
+                    main_branch[local[i]] = 1;
+                    cur = (long)i;
+                }
+            }
+        }
     }
     Py_ssize_t keep_n = m.n;
     Py_ssize_t *new_idx = local; /* reused: old node -> kept node, or -1 */
@@ -158,7 +172,11 @@ static PyObject *merge_trees(PyObject *self, PyObject *args, PyObject *kwargs) {
         keep_n = limit > 0 ? limit : 0;
         rank = malloc((m.n ? m.n : 1) * sizeof(Ranked));
         if (!rank) { PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < m.n; i++) { rank[i].val = m.val[i]; rank[i].idx = i; }
+        for (Py_ssize_t i = 0; i < m.n; i++) {
+            rank[i].main = main_branch[i];
+            rank[i].val = m.val[i];
+            rank[i].idx = i;
+        }
         qsort(rank, m.n, sizeof(Ranked), by_value);
         for (Py_ssize_t i = 0; i < m.n; i++) new_idx[i] = -1;
         for (Py_ssize_t r = 0; r < keep_n; r++) new_idx[rank[r].idx] = 0;
@@ -190,6 +208,7 @@ done:
     free(tab.vals);
     free(local);
     free(rank);
+    free(main_branch);
     Py_DECREF(trees);
     return result;
 }

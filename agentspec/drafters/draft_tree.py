@@ -14,8 +14,9 @@ Terms:
         index estimates it), times its tree's weight.
 
 Two indexes that agree share nodes: a node's value is the largest any index gives it.
-Values never grow along a path, so the ``limit`` nodes of highest value always include
-their ancestors: the cut is a plain sort.
+The cut to ``limit`` nodes keeps the first (best-scored) tree's first branch whole, then
+the nodes of highest value. Values never grow along a path and the first branch is closed
+under ancestors, so the kept nodes always include their ancestors: the cut is a sort.
 
 The merge runs on every drafting step, so it is compiled (``_tree_merge.c``, built by the
 package install: ~1.5 µs against ~7 µs in Python on agent logs); :func:`merge_trees_py` is
@@ -38,7 +39,7 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
     Args:
         trees: Each index's tree with its weight, the likeliest first (its nodes are
             listed first, so its continuation is the merged tree's first branch).
-        limit: Most nodes kept (the highest values).
+        limit: Most nodes kept: the first tree's first branch, then the highest values.
 
     Returns:
         ``(tokens, parents, score)``: the merged tree and the sum of its nodes' values (the
@@ -47,9 +48,10 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
     toks: list[int] = []
     pars: list[int] = []
     vals: list[float] = []
+    main: set[int] = set()  # merged nodes on the first tree's first branch
     # (merged parent + 1) << 32 | token -> merged node: an int key hashes faster than a tuple.
     index: dict[int, int] = {}
-    for weight, tokens, parents, probs in trees:
+    for t, (weight, tokens, parents, probs) in enumerate(trees):
         local = [0] * len(tokens)  # this tree's node -> merged node
         for i, tok in enumerate(tokens):
             p = parents[i]
@@ -65,10 +67,20 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
             elif v > vals[j]:
                 vals[j] = v
             local[i] = j
+        if t == 0:
+            cur = -1
+            for i, p in enumerate(parents):
+                if p == cur:
+                    main.add(local[i])
+                    cur = i
     if len(toks) <= limit:
         return toks, pars, sum(vals)
-    # A stable sort: on equal values a parent (lower index) stays ahead of its child.
-    keep = sorted(sorted(range(len(toks)), key=vals.__getitem__, reverse=True)[:limit])
+    # The first tree's first branch ranks first, whole: where the best index continues a
+    # copy for the whole budget, branches must not cut it short (on the relay workload a
+    # plain value cut accepted 12.1 tokens per step, this one 13.3). Then by value, a
+    # stable sort: on equal values a parent (lower index) stays ahead of its child.
+    order = sorted(range(len(toks)), key=lambda i: (i not in main, -vals[i]))
+    keep = sorted(order[:limit])
     new = [-1] * len(toks)
     for n, old in enumerate(keep):
         new[old] = n

@@ -217,11 +217,19 @@ class HFTarget:
         if not n_tree:
             raise ConfigError("keep_tree_path() without a score_tree() before it")
         past = self.num_cached - n_tree
-        keep = torch.tensor([*range(past + 1), *(past + int(i) for i in path)],
-                            dtype=torch.long, device=self.device)  # [past + 1 + len(path)]
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
+        n = len(path)
+        if n and list(path) != list(range(1, n + 1)):
+            # Move the kept nodes' keys and values right behind the root, in place: only
+            # the tree's tail is touched (copying the whole cache would cost O(context)
+            # per step). index_select copies the sources first, so overlaps are safe.
+            src = torch.tensor([past + int(i) for i in path], dtype=torch.long,
+                               device=self.device)  # [n]
+            with torch.inference_mode():  # the cache tensors are inference tensors
+                for layer in self._cache.layers:
+                    for kv in (layer.keys, layer.values):
+                        kv[..., past + 1 : past + 1 + n, :] = kv.index_select(-2, src)
+        if n_tree - 1 - n:
+            self._cache.crop(-(n_tree - 1 - n))
         if self._features is not None and self._features.shape[1] == n_tree:
             local = torch.tensor([0, *(int(i) for i in path)], dtype=torch.long)
             self._features = self._features.index_select(1, local.to(self._features.device))

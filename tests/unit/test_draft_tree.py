@@ -26,14 +26,18 @@ def test_shared_prefixes_become_one_path() -> None:
 
 
 def test_the_cut_keeps_the_most_likely_nodes_and_their_ancestors() -> None:
-    a = (1.0, [1, 2, 3, 4], [-1, 0, 1, 2], [1.0, 1.0, 0.3, 0.3])
+    # a's first branch 1 -> 2 -> 3 is kept whole; the rest compete by value.
+    a = (1.0, [1, 2, 3, 9], [-1, 0, 1, 0], [1.0, 1.0, 0.3, 0.3])
     b = (0.5, [1, 7, 8], [-1, 0, 1], [1.0, 0.9, 0.9])  # weight 0.5: values 0.5, 0.45, 0.45
-    toks, parents, _ = merge_trees([a, b], limit=4)
-    assert toks == [1, 2, 7, 8] and parents == [-1, 0, 0, 2]
-    for limit in range(1, 7):
-        toks, parents, _ = merge_trees([a, b], limit)
-        assert len(toks) == min(limit, 6)
-        assert all(-1 <= p < i for i, p in enumerate(parents))  # ancestors kept, listed first
+    for merge in (merge_trees, merge_trees_py):
+        toks, parents, _ = merge([a, b], limit=4)
+        assert toks == [1, 2, 3, 7] and parents == [-1, 0, 1, 0]
+        toks, parents, _ = merge([a, b], limit=5)
+        assert toks == [1, 2, 3, 7, 8] and parents == [-1, 0, 1, 0, 3]
+        for limit in range(1, 8):
+            toks, parents, _ = merge([a, b], limit)
+            assert len(toks) == min(limit, 6)
+            assert all(-1 <= p < i for i, p in enumerate(parents))  # ancestors kept, first
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -88,3 +92,16 @@ def test_the_compiled_merge_is_built_and_equals_the_reference() -> None:
         COMPILED([(1.0, [1, 2], [-1, 1], [0.5, 0.5])], 4)  # a node its own parent
     with pytest.raises(ValueError, match="differ in length"):
         COMPILED([(1.0, [1, 2], [-1], [0.5, 0.5])], 4)
+
+
+def test_the_cut_keeps_the_first_trees_first_branch_whole() -> None:
+    # The best index continues a copy for the whole budget (values 0.5: one earlier
+    # occurrence of two); the second index's branches have higher values (0.9) but must
+    # not cut the copy short.
+    copy = (1.0, [1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.5] * 5)
+    other = (1.0, [1, 7, 8], [-1, 0, 1], [0.5, 0.9, 0.9])
+    for merge in (merge_trees, merge_trees_py):
+        toks, parents, _ = merge([copy, other], limit=6)
+        assert toks == [1, 2, 3, 4, 5, 7] and parents == [-1, 0, 1, 2, 3, 0]
+        toks, _, _ = merge([copy, other], limit=3)  # shorter than the branch: its top
+        assert toks == [1, 2, 3]

@@ -124,7 +124,7 @@ def test_oracle_is_the_upper_bound_and_none_is_one() -> None:
     sessions = _sessions()
     k = 16
     rows = {r["method"]: r for r in replay_sessions(
-        sessions, ["oracle", "none", "agentspec", "suffix", "prompt_lookup", "suffix_tree"], k,
+        sessions, ["oracle", "none", "agentspec", "suffix", "prompt_lookup", "suffix_chain"], k,
         cost=lambda n: 0.05 + 0.001 * n)}
     lengths = [len(t.output) for s in sessions for t in s.turns]
     tokens = sum(lengths)
