@@ -100,7 +100,7 @@ def test_every_drafting_option_reaches_the_loop(tiny_target) -> None:  # type: i
     assert isinstance(tree, SuffixDrafter) and tree.config.tree is True
     assert rt.drafter_for(AgentSpec()) is not tree and rt.drafter_for(spec) is tree
     assert rt.engine_for(spec).config == EngineConfig(max_draft=12, min_draft=3)
-    with pytest.raises(ValueError, match="tree=True needs method='suffix'"):
+    with pytest.raises(ValueError, match="tree=True needs method 'suffix' or 'hybrid'"):
         DraftingPolicy(method="prompt_lookup", tree=True)
     with pytest.raises(ValueError, match="strict greedy"):
         AgentSpec(drafting=DraftingPolicy(tree=True), verifier=VerifierPolicy(temperature=0.7))
@@ -108,7 +108,10 @@ def test_every_drafting_option_reaches_the_loop(tiny_target) -> None:  # type: i
 
 def test_greedy_suffix_drafts_trees_by_default(tiny_target) -> None:  # type: ignore[no-untyped-def]
     assert AgentSpec().tree_drafts
+    assert AgentSpec(drafting=DraftingPolicy(method="hybrid")).tree_drafts
     off = [
+        AgentSpec(drafting=DraftingPolicy(method="hybrid"),
+                  verifier=VerifierPolicy(temperature=0.7)),
         AgentSpec(drafting=DraftingPolicy(tree=False)),
         AgentSpec(verifier=VerifierPolicy(temperature=0.7)),
         AgentSpec(verifier=VerifierPolicy(sampler="multi_draft", num_drafts=2)),
