@@ -4,8 +4,8 @@
  * `draft_tree.merge_trees_py`: trees are merged in the order given; a node is identified by
  * (merged parent, token); a shared node keeps the largest value (weight * path probability);
  * at most `limit` nodes are kept: the first tree's first branch, then by value, largest
- * first, ties to the earlier node; kept
- * nodes stay in merge order (parents before children). The score is the sum of the kept
+ * first, ties to the earlier node; the kept first branch comes first, the other kept nodes
+ * follow in merge order (parents before children). The score is the sum of the kept
  * values, added in that order (as Python 3.11's sum() does).
  *
  * Why C: on agent logs this merge ran at ~12 us per drafting step in Python, half of what
@@ -185,16 +185,21 @@ static PyObject *merge_trees(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     PyObject *out_t = PyList_New(keep_n), *out_p = PyList_New(keep_n);
     if (!out_t || !out_p) { Py_XDECREF(out_t); Py_XDECREF(out_p); goto done; }
+    /* Output order: the first branch, then the other kept nodes in merge order (parents
+     * still come before children: a first-branch node's parent is on the branch, any
+     * other node's parent is on it or earlier in merge order). */
     double score = 0.0;
     Py_ssize_t k = 0;
-    for (Py_ssize_t i = 0; i < m.n; i++) {
-        if (new_idx[i] < 0) continue;
-        new_idx[i] = k;
-        long par = m.par[i] >= 0 ? (long)new_idx[m.par[i]] : -1;
-        PyList_SET_ITEM(out_t, k, PyLong_FromLong(m.tok[i]));
-        PyList_SET_ITEM(out_p, k, PyLong_FromLong(par));
-        score += m.val[i];
-        k++;
+    for (int pass = 1; pass >= 0; pass--) {
+        for (Py_ssize_t i = 0; i < m.n; i++) {
+            if (new_idx[i] < 0 || main_branch[i] != pass) continue;
+            new_idx[i] = k;
+            long par = m.par[i] >= 0 ? (long)new_idx[m.par[i]] : -1;
+            PyList_SET_ITEM(out_t, k, PyLong_FromLong(m.tok[i]));
+            PyList_SET_ITEM(out_p, k, PyLong_FromLong(par));
+            score += m.val[i];
+            k++;
+        }
     }
     result = Py_BuildValue("(NNd)", out_t, out_p, score);
 done:

@@ -73,19 +73,22 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
                 if p == cur:
                     main.add(local[i])
                     cur = i
-    if len(toks) <= limit:
-        return toks, pars, sum(vals)
-    # The first tree's first branch ranks first, whole: where the best index continues a
-    # copy for the whole budget, branches must not cut it short (on the relay workload a
-    # plain value cut accepted 12.1 tokens per step, this one 13.3). Then by value, a
-    # stable sort: on equal values a parent (lower index) stays ahead of its child.
-    order = sorted(range(len(toks)), key=lambda i: (i not in main, -vals[i]))
-    keep = sorted(order[:limit])
+    keep = range(len(toks))
+    if len(toks) > limit:
+        # The first tree's first branch ranks first, whole: where the best index continues
+        # a copy for the whole budget, branches must not cut it short (on the relay a plain
+        # value cut accepted 12.1 tokens per step, this one 13.3). Then by value, a stable
+        # sort: on equal values a parent (lower index) stays ahead of its child.
+        order = sorted(keep, key=lambda i: (i not in main, -vals[i]))
+        keep = sorted(order[:limit])
+    # Output: the first branch, then the rest in merge order (still parents first), so a
+    # cut to the first n nodes (Draft.truncated) keeps the branch's first n tokens.
+    out = [i for i in keep if i in main] + [i for i in keep if i not in main]
     new = [-1] * len(toks)
-    for n, old in enumerate(keep):
+    for n, old in enumerate(out):
         new[old] = n
-    return ([toks[i] for i in keep], [new[pars[i]] if pars[i] >= 0 else -1 for i in keep],
-            sum(vals[i] for i in keep))
+    return ([toks[i] for i in out], [new[pars[i]] if pars[i] >= 0 else -1 for i in out],
+            sum(vals[i] for i in out))
 
 
 MergeFn = Callable[[Sequence[WeightedTree], int], tuple[list[int], list[int], float]]
