@@ -73,7 +73,7 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
                 if p == cur:
                     main.add(local[i])
                     cur = i
-    keep = range(len(toks))
+    keep: Sequence[int] = range(len(toks))
     if len(toks) > limit:
         # The first tree's first branch ranks first, whole: where the best index continues
         # a copy for the whole budget, branches must not cut it short (on the relay a plain
