@@ -39,7 +39,9 @@ this is not sent, so the step costs no verification work; default 0) and
 and ``AGENTSPEC_VLLM_PAYOFF=cost_aware`` (the learned payoff predictor cuts each draft to
 its predicted useful length, or withholds it; see :mod:`adapters.vllm.payoff_gate`) and
 ``AGENTSPEC_VLLM_STATS`` (a JSON file the proposer's counters, ``propose_ms_per_step``
-included, are written to every 64 steps: how a benchmark reads them from vLLM's worker).
+included, are written to every 64 steps: how a benchmark reads them from vLLM's worker)
+and ``AGENTSPEC_VLLM_SPEC_OFFSET`` (tokens a draft may run past ``max_spec_factor`` times
+its match length; default: the session cache's own, 8).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ ENV_SCOPE = "AGENTSPEC_VLLM_SCOPE"
 ENV_MIN_SCORE = "AGENTSPEC_VLLM_MIN_SCORE"
 ENV_STORE = "AGENTSPEC_VLLM_STORE"
 ENV_STATS = "AGENTSPEC_VLLM_STATS"
+ENV_SPEC_OFFSET = "AGENTSPEC_VLLM_SPEC_OFFSET"
 _DUMP_EVERY = 64  # propose calls between stats dumps
 _ANON_TENANT = "vllm-anonymous"  # request-only scope of requests without a session
 
@@ -149,8 +152,14 @@ def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
     except ValueError as exc:
         raise ConfigError(f"{ENV_SCOPE}={scope!r} / num_speculative_tokens="
                           f"{num_speculative_tokens}: {exc}") from None
-    # vLLM verifies one chain per request: no tree drafts.
-    return replace(suffix_config(spec), tree=False), min_score
+    config = replace(suffix_config(spec), tree=False)  # vLLM verifies one chain per request
+    offset = os.environ.get(ENV_SPEC_OFFSET)
+    if offset is not None:
+        try:
+            config = replace(config, max_spec_offset=float(offset))
+        except ValueError:
+            raise ConfigError(f"{ENV_SPEC_OFFSET} must be a number, got {offset!r}") from None
+    return config, min_score
 
 
 class AgentSpecProposer:

@@ -235,6 +235,19 @@ def test_proposer_bad_env_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         FakeModelRunner()
 
 
+def test_proposer_drafts_chains_and_reads_the_spec_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    default = FakeModelRunner().drafter.drafter.config
+    assert default.tree is False and default.max_spec_offset == 8.0  # vLLM verifies chains
+    monkeypatch.setenv("AGENTSPEC_VLLM_SPEC_OFFSET", "0")
+    assert FakeModelRunner().drafter.drafter.config.max_spec_offset == 0.0
+    for bad in ("far", "nan"):
+        monkeypatch.setenv("AGENTSPEC_VLLM_SPEC_OFFSET", bad)
+        with pytest.raises(ConfigError, match="AGENTSPEC_VLLM_SPEC_OFFSET"):
+            FakeModelRunner()
+
+
 def test_proposer_without_runner_tracks_rows_by_content() -> None:
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
                              model_config=SimpleNamespace(max_model_len=MAX_LEN))
