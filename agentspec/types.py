@@ -120,6 +120,18 @@ class DraftContext:
         return self.tokens[self.prompt_len :]
 
 
+def first_branch_nodes(parents: Sequence[int]) -> list[int]:
+    """The main branch of a tree given by ``parents`` (parents before children): from the
+    first root, each node's first-listed child, as node indices root side first."""
+    nodes: list[int] = []
+    cur = -1
+    for i, p in enumerate(parents):
+        if p == cur:
+            nodes.append(i)
+            cur = i
+    return nodes
+
+
 @dataclass(frozen=True)
 class Draft:
     """A proposed continuation of the context.
@@ -195,12 +207,7 @@ class Draft:
         child (drafters list the likeliest continuation first); a chain is returned as is."""
         if self.parents is None:
             return self
-        nodes: list[int] = []
-        cur = -1
-        for i, p in enumerate(self.parents):
-            if p == cur:
-                nodes.append(i)
-                cur = i
+        nodes = first_branch_nodes(self.parents)
         probs = self.probs[nodes] if self.probs is not None else None
         return Draft([self.tokens[i] for i in nodes], None, probs, self.score,
                      self.match_len, self.source, self.position)

@@ -8,8 +8,8 @@
  * follow in merge order (parents before children). The score is the sum of the kept
  * values, added in that order (as Python 3.11's sum() does).
  *
- * Why C: on agent logs this merge ran at ~12 us per drafting step in Python, half of what
- * arctic-inference's whole C++ speculate-and-update step costs.
+ * Why C: on agent logs this merge took ~7 us per drafting step in Python (~1.5 us here),
+ * a fifth of what arctic-inference's whole C++ speculate-and-update step costs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

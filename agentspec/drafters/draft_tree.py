@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 
+from agentspec.types import first_branch_nodes
+
 # (weight, tokens, parents, path probabilities) of one index's draft tree
 WeightedTree = tuple[float, list[int], list[int], list[float]]
 
@@ -68,11 +70,7 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
                 vals[j] = v
             local[i] = j
         if t == 0:
-            cur = -1
-            for i, p in enumerate(parents):
-                if p == cur:
-                    main.add(local[i])
-                    cur = i
+            main = {local[i] for i in first_branch_nodes(parents)}
     keep: Sequence[int] = range(len(toks))
     if len(toks) > limit:
         # The first tree's first branch ranks first, whole: where the best index continues

@@ -186,12 +186,8 @@ class SuffixDrafter:
         merged tree's first branch. Nodes are weighed by their path probabilities alone:
         per-level calibration learns from chains (a tree's accepted branch is not known to
         the drafter), and replayed on agent logs weighing by it changed nothing."""
-        specs = [spec for _, spec in cands]
-        if len(specs) == 2:  # the usual case (request + one history level): no sort
-            if specs[1][2] > specs[0][2]:
-                specs.reverse()
-        else:
-            specs.sort(key=lambda s: -s[2])
+        # A stable sort: on equal scores the narrowest index stays first.
+        specs = sorted((spec for _, spec in cands), key=lambda s: -s[2])
         toks, parents, score = merge_trees(
             [(1.0, s[0], s[3] or [], s[4] or []) for s in specs], limit)
         return toks, max(s[1] for s in specs), score, parents, None
