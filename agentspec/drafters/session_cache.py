@@ -75,6 +75,10 @@ _CARRY_TOKENS = 1 << 19
 _LAST_TURN_TOKENS = 1 << 22
 
 
+def _neg_score(spec: Speculation) -> float:
+    return -spec[2]
+
+
 class SuffixDrafter:
     """SuffixDecoding drafter over a request index and a scope hierarchy (module docstring).
 
@@ -139,7 +143,7 @@ class SuffixDrafter:
         with self._lock:
             if cfg.use_request_index:
                 req = self._sync(ctx)
-                spec = req.tree.speculate(window, *args)
+                spec = req.tree.speculate(window[-cfg.request_window :], *args)
                 if spec[0]:
                     cands.append(("request", spec))
             if cfg.use_history and ctx.session is not None:
@@ -175,9 +179,9 @@ class SuffixDrafter:
                 if req is not None and cfg.calibrate:
                     req.cands = cands
         self.last_origin = origin
-        # Both backends return fresh lists: no copy needed.
-        return Draft(tokens=best[0], parents=best[3] or None, score=best[2],
-                     match_len=best[1], source=self.name)
+        # Both backends return fresh lists (no copy needed) and valid trees (parents
+        # before children: arctic's speculation, the merge), so no check is needed either.
+        return Draft.trusted(best[0], best[3] or None, best[2], best[1], self.name)
 
     @staticmethod
     def _merged(cands: list[tuple[str, Speculation]], limit: int) -> Speculation:
@@ -187,10 +191,10 @@ class SuffixDrafter:
         per-level calibration learns from chains (a tree's accepted branch is not known to
         the drafter), and replayed on agent logs weighing by it changed nothing."""
         # A stable sort: on equal scores the narrowest index stays first.
-        specs = sorted((spec for _, spec in cands), key=lambda s: -s[2])
+        specs = sorted([spec for _, spec in cands], key=_neg_score)
         toks, parents, score = merge_trees(
             [(1.0, s[0], s[3] or [], s[4] or []) for s in specs], limit)
-        return toks, max(s[1] for s in specs), score, parents, None
+        return toks, max([s[1] for s in specs]), score, parents, None
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Append the committed tokens to the request index."""

@@ -30,6 +30,12 @@ class SuffixConfig:
 
     Attributes:
         max_depth: Longest context suffix matched against an index.
+        request_window: Longest context suffix matched against the request index. That
+            index holds the context itself, so the context's own suffix always matches and
+            arctic's speculation (which drafts once per match length, each match walked
+            from the root) runs to the end of the window: its cost grows with the
+            window's square. On agent logs 32 gave the same draft as 64 in 99 % of steps
+            at half the cost (history indexes stop at their longest match on their own).
         max_spec_factor: Draft length cap per matched token. Agent outputs copy long spans
             (documents, tool results), so a long match earns a longer draft than in chat.
         max_spec_offset: Tokens added to the cap, so short but confident matches still draft.
@@ -55,6 +61,7 @@ class SuffixConfig:
     """
 
     max_depth: int = 64
+    request_window: int = 32
     max_spec_factor: float = 2.0
     max_spec_offset: float = 8.0
     min_token_prob: float = 0.1
@@ -70,7 +77,7 @@ class SuffixConfig:
     use_outputs: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_depth", "max_tokens", "max_scope_tokens", "max_scopes"):
+        for name in ("max_depth", "request_window", "max_tokens", "max_scope_tokens", "max_scopes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

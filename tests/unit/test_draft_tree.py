@@ -105,3 +105,18 @@ def test_the_cut_keeps_the_first_trees_first_branch_whole() -> None:
         assert toks == [1, 2, 3, 4, 5, 7] and parents == [-1, 0, 1, 2, 3, 0]
         toks, _, _ = merge([copy, other], limit=3)  # shorter than the branch: its top
         assert toks == [1, 2, 3]
+
+
+def test_a_trusted_draft_equals_a_checked_one() -> None:
+    """``Draft.trusted`` (the session cache's unchecked constructor) builds the same value
+    as the checked ``Draft(...)``, and the drafter's tree drafts pass the check."""
+    trusted = Draft.trusted([5, 6, 7], [-1, 0, 0], 1.5, 2, "suffix")
+    assert trusted == Draft([5, 6, 7], [-1, 0, 0], None, 1.5, 2, "suffix")
+    assert trusted.truncated(2) == Draft([5, 6], [-1, 0], None, 1.5, 2, "suffix")
+    drafter = SuffixDrafter(SuffixConfig(tree=True))
+    ref = SessionRef("s1")
+    doc = random.Random(3).sample(range(100, 900), 120)
+    prompt = [1, *doc[:60], 2, *doc[:50]]
+    draft = drafter.propose(DraftContext(prompt, len(prompt), ref, request_id="r"), 32)
+    assert draft.tokens and Draft(draft.tokens, draft.parents, None, draft.score,
+                                  draft.match_len, draft.source) == draft

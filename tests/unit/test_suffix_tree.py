@@ -201,6 +201,33 @@ def test_request_then_history_cycle() -> None:
     assert steps == len(DOC)
 
 
+def test_request_window_bounds_the_request_match_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request index is matched on the last ``request_window`` tokens (its own suffix
+    always matches, so a longer window only costs time), history indexes on ``max_depth``;
+    on a copy workload both windows draft alike."""
+    from agentspec.drafters import suffix_backends
+
+    lengths: list[int] = []
+    for cls in (suffix_backends.ArcticTree, suffix_backends.PyTree):
+        original = cls.speculate
+
+        def spy(self, window, *args, _original=original):  # type: ignore[no-untyped-def]
+            lengths.append(len(window))
+            return _original(self, window, *args)
+
+        monkeypatch.setattr(cls, "speculate", spy)
+    ref = SessionRef("s1", tenant="acme")
+    results, seen = [], []
+    for window in (8, 64):
+        drafter = SuffixDrafter(SuffixConfig(request_window=window))
+        _run(drafter, [9, 9, *DOC, 3], DOC, ref)  # the second request also reads history
+        results.append(_run(drafter, [1, 2, *DOC, 4], DOC, ref))
+        seen.append(set(lengths))
+        lengths.clear()
+    assert results[0] == results[1]
+    assert seen[0] == {8, 64} and seen[1] == {64}
+
+
 @pytest.mark.parametrize(
     ("scope", "other", "shared"),
     [
@@ -283,6 +310,7 @@ def test_scope_token_budget() -> None:
     ("field", "value"),
     [
         ("max_depth", 0),
+        ("request_window", 0),
         ("max_tokens", -1),
         ("max_scope_tokens", 0),
         ("max_scopes", 0),
