@@ -155,6 +155,10 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "identical": bool(reference) and bool(same) and all(same),
             "concurrency": run.get("concurrency", 1),
             "step_ms_p50": run.get("step_ms_p50"),
+            # Concurrent runs: tokens committed per engine step, all rows together (vLLM
+            # reports no per-request acceptance there; this is comparable across configs).
+            "tokens_per_engine_step": (round(tokens / run["engine_steps"], 2)
+                                       if run.get("engine_steps") else None),
             "proposer_ms_per_step": (run.get("proposer_stats") or {}).get("propose_ms_per_step"),
         })
     base = next((r["tokens_per_s"] for r in rows if r["config"] == REFERENCE), 0.0)
@@ -166,12 +170,14 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a fixed-width text table."""
     lines = [f"{'config':<20}{'req':>5}{'tokens':>8}{'tok/s':>9}{'speed-up':>10}{'acc.len':>9}"
-             f"{'start s':>9}{'load':>7}  identical"]
+             f"{'tok/step':>10}{'start s':>9}{'load':>7}  identical"]
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         load = f"{r['load_avg']:.1f}" if r.get("load_avg") is not None else "-"
+        per_step = r.get("tokens_per_engine_step")
         lines.append(f"{r['config']:<20}{r['requests']:>5}{r['tokens']:>8}"
                      f"{r['tokens_per_s']:>9.1f}{speed:>10}{r['mean_accepted_len']:>9.2f}"
+                     f"{per_step if per_step is not None else '-':>10}"
                      f"{r['start_s']:>9.1f}{load:>7}  {r['identical']}")
     return "\n".join(lines)
 
