@@ -72,6 +72,7 @@ ENV_MIN_SCORE = "AGENTSPEC_VLLM_MIN_SCORE"
 ENV_STORE = "AGENTSPEC_VLLM_STORE"
 ENV_STATS = "AGENTSPEC_VLLM_STATS"
 ENV_SPEC_OFFSET = "AGENTSPEC_VLLM_SPEC_OFFSET"
+ENV_OUTPUTS = "AGENTSPEC_VLLM_OUTPUTS"
 _DUMP_EVERY = 8  # propose calls between stats dumps (~1 s of CPU engine steps; ~0.1 ms each)
 _ANON_TENANT = "vllm-anonymous"  # request-only scope of requests without a session
 
@@ -159,6 +160,11 @@ def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
             config = replace(config, max_spec_offset=float(offset))
         except ValueError:
             raise ConfigError(f"{ENV_SPEC_OFFSET} must be a number, got {offset!r}") from None
+    outputs = os.environ.get(ENV_OUTPUTS)
+    if outputs is not None:
+        if outputs not in ("0", "1"):
+            raise ConfigError(f"{ENV_OUTPUTS} must be 0 or 1, got {outputs!r}")
+        config = replace(config, use_outputs=outputs == "1")
     return config, min_score
 
 

@@ -207,12 +207,7 @@ class SuffixDrafter:
                 if req.cands:
                     self._calibration(ctx).learn(req.cands, result.tokens)
                     req.cands = []
-                req.extend(result.tokens)
-                if req.out is not None:
-                    pool, seq = req.out
-                    pool.tree.extend(seq, result.tokens)
-                    pool.tokens += len(result.tokens)
-                    req.out_n += len(result.tokens)
+                self._commit(req, result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
         """End the request; add its new tokens to the history indexes (and the store)."""
@@ -341,9 +336,21 @@ class SuffixDrafter:
                 return self._start(ctx)
         elif len(ctx.tokens) < req.n:  # a preempted request restarting: rebuild
             return self._start(ctx)
-        if len(ctx.tokens) > req.n:
-            req.extend(ctx.tokens[req.n :])
+        if len(ctx.tokens) > req.n:  # committed without an observe call (vLLM's proposer)
+            self._commit(req, ctx.tokens[req.n :])
         return req
+
+    @staticmethod
+    def _commit(req: Request, tokens: Sequence[int]) -> None:
+        """Index generated tokens: in the request index, and in the outputs index too when
+        the request has one (its answer joins it as it is generated, as in arctic's global
+        tree: concurrent requests draft from each other's answers)."""
+        req.extend(tokens)
+        if req.out is not None:
+            pool, seq = req.out
+            pool.tree.extend(seq, [int(t) for t in tokens])
+            pool.tokens += len(tokens)
+            req.out_n += len(tokens)
 
     def _visible(self, ref: SessionRef, carried: bool) -> list[tuple[str, Pool]]:
         """The history indexes a request of ``ref`` drafts from. A request whose prompt

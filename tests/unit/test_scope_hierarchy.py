@@ -118,6 +118,41 @@ def test_concurrent_requests_of_one_session_draft_as_alone(backend: str) -> None
     assert shared.requests_started == 2
 
 
+@pytest.mark.parametrize("observed", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outputs_index_holds_in_flight_answers(backend: str, observed: bool) -> None:
+    """With ``use_outputs`` a request drafts from another session's answer while that one
+    is still being generated, whether its tokens arrive by ``observe`` (the engine) or only
+    as a longer context at the next ``propose`` (vLLM's proposer); never across tenants."""
+    doc = random.Random(11).sample(range(100, 1100), 200)
+    a = SessionRef("s1", tenant="acme")
+
+    def drafter_after_a(use_outputs: bool) -> SuffixDrafter:
+        d = SuffixDrafter(SuffixConfig(backend=backend, use_outputs=use_outputs))
+        context = [1, 2, 3]
+        for step, i in enumerate(range(0, 120, 8)):  # request "a" generates doc[:120]
+            ctx = DraftContext(context, 3, a, step, "a")
+            d.propose(ctx, 16)
+            if observed:
+                d.observe(ctx, VerifyResult(doc[i : i + 8], 7))
+            context = context + doc[i : i + 8]
+        d.propose(DraftContext(context, 3, a, 99, "a"), 16)  # syncs the last block
+        return d
+
+    prompt = [7, 8, 9, *doc[:30]]
+    for use_outputs in (True, False):
+        d = drafter_after_a(use_outputs)
+        draft = d.propose(DraftContext(prompt, len(prompt), SessionRef("s2", tenant="acme"),
+                                       0, "b"), 16)
+        if use_outputs:
+            assert d.last_origin == "outputs" and draft.tokens[:8] == doc[30:38]
+        else:
+            assert not draft.tokens  # "a" has not finished: no history holds its answer
+        other = d.propose(DraftContext(prompt, len(prompt), SessionRef("s2", tenant="evil"),
+                                       0, "c"), 16)
+        assert not other.tokens
+
+
 def test_request_index_is_carried_into_the_sessions_next_turn() -> None:
     drafter = SuffixDrafter()
     ref = SessionRef("s1")
