@@ -483,3 +483,29 @@ class Ranked:
 
     def predict(self, phi: list[float] | None) -> float:
         return 0.0
+
+
+def test_a_model_draft_needs_the_margin_to_displace_a_cache_draft() -> None:
+    """The model drafter takes a step from a cache draft that would be verified only with
+    ``gate_margin``'s edge: there are model acceptance rates at which a policy without the
+    margin drafts with the model and one with it keeps the cache draft; a clearly better
+    model still wins, and with no cache draft the model competes with plain decoding only."""
+    draft = Draft(tokens=list(range(8)), score=2.0, match_len=3, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+
+    def cost(k: int) -> float:
+        return 0.04 + 0.0019 * k
+
+    def source(alpha: float, margin: float, cache: Draft) -> str:
+        policy = CostAwarePolicy(constant_predictor(2.0), cost, model_alpha=alpha,
+                                 gate_margin=margin)
+        return policy.choose(cache, 6, phi).source
+
+    alphas = [i / 100 for i in range(5, 100)]
+    without = [a for a in alphas if source(a, 0.0, draft) == "model"]
+    with_margin = [a for a in alphas if source(a, 0.1, draft) == "model"]
+    assert without and with_margin and min(with_margin) > min(without)
+    assert set(with_margin) <= set(without)
+    # Against plain decoding (no cache draft) the margin does not apply.
+    assert [a for a in alphas if source(a, 0.1, Draft(source="suffix")) == "model"] == [
+        a for a in alphas if source(a, 0.0, Draft(source="suffix")) == "model"]
