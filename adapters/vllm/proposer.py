@@ -41,7 +41,9 @@ its predicted useful length, or withholds it; see :mod:`adapters.vllm.payoff_gat
 ``AGENTSPEC_VLLM_STATS`` (a JSON file the proposer's counters, ``propose_ms_per_step``
 included, are written to every 8 steps: how a benchmark reads them from vLLM's worker)
 and ``AGENTSPEC_VLLM_SPEC_OFFSET`` (tokens a draft may run past ``max_spec_factor`` times
-its match length; default: the session cache's own, 8).
+its match length; default: the session cache's own, 8) and ``AGENTSPEC_VLLM_OUTPUTS=1``
+(also draft from the scope's answers alone, which every answer joins as vLLM generates it:
+requests in flight draft from each other's answers, as in arctic's global tree).
 """
 
 from __future__ import annotations

@@ -248,6 +248,26 @@ def test_proposer_drafts_chains_and_reads_the_spec_offset(
             FakeModelRunner()
 
 
+def test_proposer_outputs_index_shares_answers_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AGENTSPEC_VLLM_OUTPUTS=1``: a request drafts from another session's answer while
+    that answer is still being generated (vLLM commits the tokens; the proposer only sees
+    longer rows). Without it the other request has nothing to draft from."""
+    fresh = [int(t) for t in np.random.default_rng(1).integers(500, 900, size=30)]
+    for flag, expect in (("1", fresh[10:18]), ("0", [])):
+        monkeypatch.setenv("AGENTSPEC_VLLM_OUTPUTS", flag)
+        runner = FakeModelRunner()
+        runner.start(0, encode_request_id(SessionRef("s1", tenant="t"), nonce="aaaa"), [1, 2])
+        for tok in fresh:  # session s1 generates `fresh`, still in flight
+            runner.step({0: [tok]})
+        runner.start(1, encode_request_id(SessionRef("s2", tenant="t"), nonce="bbbb"),
+                     [5, 6, *fresh[:9]])
+        drafts = runner.step({0: [7], 1: [fresh[9]]})
+        assert drafts[1] == expect, flag
+    monkeypatch.setenv("AGENTSPEC_VLLM_OUTPUTS", "yes")
+    with pytest.raises(ConfigError, match="AGENTSPEC_VLLM_OUTPUTS"):
+        FakeModelRunner()
+
+
 def test_proposer_without_runner_tracks_rows_by_content() -> None:
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
                              model_config=SimpleNamespace(max_model_len=MAX_LEN))
