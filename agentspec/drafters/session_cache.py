@@ -47,6 +47,7 @@ from agentspec.drafters.cache_levels import (
     Calibration,
     Pool,
     Request,
+    lazy_levels,
     novel_start,
     request_key,
     scope_key,
@@ -155,7 +156,7 @@ class SuffixDrafter:
                     seen = len(pool.turns)
                     if not seen:
                         continue
-                    spec = pool.tree.speculate(window, *args)
+                    spec = pool.ready().speculate(window, *args)
                     if spec[0]:
                         cands.append((level, spec))
                 if cfg.use_outputs and req is not None and req.out is not None:
@@ -223,11 +224,11 @@ class SuffixDrafter:
             if self.config.use_history:
                 # Stored turns are loaded first, so this one is not counted twice when it
                 # is also written to the store below.
-                pools = [p for _, p in self._pools_for(ctx.session)]
+                pools = self._pools_for(ctx.session)
                 skey = (ctx.session.tenant, ctx.session.session_id)
                 new = self._novel(self._last_turn.get(skey, []), tokens)
-                for pool in pools:
-                    self._index_new(pool, ctx.session.session_id, new)
+                for pool, lazy in zip([p for _, p in pools], lazy_levels(pools), strict=True):
+                    self._index_new(pool, ctx.session.session_id, new, lazy)
             self._remember(ctx.session, tokens, req)
             if self.store is not None:
                 try:
@@ -265,7 +266,8 @@ class SuffixDrafter:
         with self._lock:
             pools = {
                 "/".join(key): {"tokens": p.tokens, "turns": len(p.turns),
-                                "memory_bytes": p.tree.memory_bytes()}
+                                "pending_tokens": p.pending_tokens,
+                                "memory_bytes": p.memory_bytes()}
                 for key, p in self._pools.items()
             }
             req_mem = sum(r.tree.memory_bytes() for r in self._requests.values())
@@ -399,8 +401,8 @@ class SuffixDrafter:
             for turn in self.store.load(ref):
                 cur = [int(t) for t in turn]
                 new = self._novel(prev, cur)
-                for pool in missing:
-                    self._index_new(pool, ref.session_id, new)
+                for pool in missing:  # built when read (this request reads some now)
+                    self._index_new(pool, ref.session_id, new, lazy=True)
                 prev = cur
             if prev and (ref.tenant, ref.session_id) not in self._last_turn:
                 self._remember(ref, prev, None)
@@ -421,11 +423,11 @@ class SuffixDrafter:
         start = max(0, novel_start(prev, tokens) - self.config.max_depth)
         return tokens[start:][-self.config.max_scope_tokens :]
 
-    def _index_new(self, pool: Pool, session_id: str, new: list[int]) -> None:
-        """Add a turn's new tokens to one history index."""
+    def _index_new(self, pool: Pool, session_id: str, new: list[int], lazy: bool) -> None:
+        """Add a turn's new tokens to one history index (``lazy``: when it is next read)."""
         if new:
             self._seq = (self._seq + 1) & 0x7FFFFFFF
-            pool.add(session_id, self._seq, new, self.config.max_scope_tokens)
+            pool.add(session_id, self._seq, new, self.config.max_scope_tokens, lazy)
 
     def _remember(self, ref: SessionRef, tokens: list[int], req: Request | None) -> None:
         """Keep a session's latest turn (and its index, to carry into the next request)."""

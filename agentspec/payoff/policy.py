@@ -478,9 +478,9 @@ class CostAwarePolicy:
                                   self.model_token_s)
             if options[-1][1].source == CACHE and options[-1][1].length > 0:
                 # Displacing a cache draft that would be verified needs the same edge as a
-                # cut (``gate_margin``): the model's rate is an estimate too, and on relay
-                # domains it never saw a model step that only tied lost the cache draft's
-                # accepted tokens (2 of 444 steps; EAGLE accepted 0 of 2 there).
+                # cut (``gate_margin``): the model's rate is an estimate too. On relay
+                # domains it never saw, 2 of 444 steps displaced a cache draft this way;
+                # EAGLE accepted 0 of 2 on both, and one lost the cache draft's token.
                 rate /= 1.0 + self.gate_margin
             options.append((rate, Choice(MODEL, k, y)))
         # max keeps the first of equal rates: none < cache < model in list order, so ties

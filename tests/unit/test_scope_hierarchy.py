@@ -207,3 +207,47 @@ def test_carried_indexes_and_latest_turns_stay_within_their_token_budgets(
     drafter.forget(SessionRef("s1"))
     with drafter._lock:
         assert drafter._carry_tokens == sum(r.n for r in drafter._carry.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_levels_nobody_reads_are_built_when_first_read(backend: str) -> None:
+    """A finished turn goes into the agent level at once; the session level (read only by
+    a request that does not extend its previous turn) and a tenant level holding its one
+    agent's turns wait as pending turns. A request that reads them builds them, and drafts
+    what an eagerly built index drafts."""
+    doc = random.Random(13).sample(range(100, 1100), 120)
+    ref = SessionRef("s1", tenant="acme", agent="editor")
+    drafter = SuffixDrafter(SuffixConfig(backend=backend))
+    _run(drafter, [1, 2, 3], doc, ref, "t1")
+    scopes = drafter.stats()["scopes"]
+    pending = {k: v["pending_tokens"] for k, v in scopes.items()}
+    assert pending["agent/acme/editor"] == 0
+    assert pending["session/acme/s1"] == pending["tenant/acme"] == 3 + len(doc)
+    # The next turn does not extend the previous one: it reads the session level.
+    drafts = _run(drafter, [7, 8, *doc[:10]], doc[10:40], ref, "t2")
+    assert drafts[0][:8] == doc[10:18]
+    # Built by that read; only the turn just finished waits (2 + 10 + 30 new tokens).
+    assert drafter.stats()["scopes"]["session/acme/s1"]["pending_tokens"] == 42
+    # A second agent's turn: the tenant level no longer mirrors one agent, and is built.
+    other = SessionRef("s2", tenant="acme", agent="coder")
+    _run(drafter, [5, 5, 5], doc[60:90], other, "t3")
+    assert drafter.stats()["scopes"]["tenant/acme"]["pending_tokens"] == 0
+    assert _run(drafter, [9, 9, *doc[60:70]], doc[70:90], SessionRef("s3", "acme", "x"),
+                "t4")[0][:8] == doc[70:78]
+
+
+def test_pending_turns_are_evicted_and_dropped_like_indexed_ones() -> None:
+    from agentspec.drafters.cache_levels import Pool
+    from agentspec.drafters.suffix_backends import new_tree
+
+    pool = Pool(new_tree("python", 64, 32))
+    pool.add("a", 1, [1, 2, 3, 4], budget=100)
+    pool.add("b", 2, [5, 6, 7], budget=100, lazy=True)
+    pool.add("a", 3, [8, 9], budget=100, lazy=True)
+    assert pool.pending_tokens == 5 and pool.tokens == 9
+    pool.drop_session("a")  # one indexed turn, one pending
+    assert (pool.tokens, pool.pending_tokens, [t[1] for t in pool.turns]) == (3, 3, [2])
+    pool.add("c", 4, list(range(10, 20)), budget=12, lazy=True)  # evicts pending turn 2
+    assert (pool.tokens, pool.pending_tokens, [t[1] for t in pool.turns]) == (10, 10, [4])
+    pool.ready(limit=1)  # one turn at least, whole
+    assert pool.pending_tokens == 0 and pool.memory_bytes() > 0
