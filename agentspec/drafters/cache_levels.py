@@ -167,6 +167,11 @@ class Pool:
         self.tokens += len(tokens)
         if not lazy:
             self.ready()
+        self.trim(budget)
+
+    def trim(self, budget: int) -> None:
+        """Drop the oldest turns while the index holds more than ``budget`` tokens (the
+        newest turn always stays)."""
         while self.tokens > budget and len(self.turns) > 1:
             _, sid, n = self.turns.popleft()
             self._discard(sid, n)

@@ -323,10 +323,7 @@ class SuffixDrafter:
         pool, seq = req.out
         req.out = None
         pool.turns.append((session_id, seq, req.out_n))
-        while pool.tokens > self.config.max_scope_tokens and len(pool.turns) > 1:
-            _, sid, n = pool.turns.popleft()
-            pool.tree.remove(sid)
-            pool.tokens -= n
+        pool.trim(self.config.max_scope_tokens)
 
     def _sync(self, ctx: DraftContext) -> Request:
         """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
