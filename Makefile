@@ -61,17 +61,17 @@ bench: venv
 	$(VENV)/bin/agentspec bench --workloads tool_agent,chat --methods $(AGENT_METHODS) \
 		--limit 3 --turns 2 --max-draft 32 --out results/agents.json
 	$(VENV)/bin/agentspec report results/agents.json
-	$(PY) -m workflows.mixed results/relay.json results/agents.json --out results/mixed.json
-	$(PY) -m workflows.interleaved --methods hybrid,suffix,arctic_rule,oracle \
+	$(PY) -m workflows.bench.mixed results/relay.json results/agents.json --out results/mixed.json
+	$(PY) -m workflows.bench.interleaved --methods hybrid,suffix,arctic_rule,oracle \
 		--out results/interleaved.json
-	$(PY) -m workflows.bench_verifiers --prompts 4 --seeds 2 --out results/verifiers.json
+	$(PY) -m workflows.bench.verifiers --prompts 4 --seeds 2 --out results/verifiers.json
 
 # The mixed run interleaved turn by turn (drift-free ratios): relay 5x4, tool agent and chat
 # 3x2, every method decoding each turn back to back, oracle as the ceiling. With greedy (the
 # BENCHMARKS.md table) ~19 min; `make bench` runs it without greedy (~8 min).
 MIXED_METHODS := hybrid,suffix,arctic_rule,greedy,oracle
 bench-mixed: venv
-	$(PY) -m workflows.interleaved --methods $(MIXED_METHODS) --out results/interleaved.json
+	$(PY) -m workflows.bench.interleaved --methods $(MIXED_METHODS) --out results/interleaved.json
 
 bench-quick: venv
 	$(VENV)/bin/agentspec bench --workloads delegate52,tool_agent,editeval,chat \

@@ -1,0 +1,165 @@
+"""agentspec: session-scoped speculative decoding for LLM agents.
+
+The public faces, importable from the top level (``from agentspec import Runtime``) and loaded
+lazily: ``import agentspec`` imports no module until a name is first read, so it costs
+nothing (torch and the model stack load only with the part that needs them) and the
+modules behind these names may move without breaking users' imports. Everything else is
+reached through its module (``agentspec.drafters.suffix``, ``agentspec.verifiers``, ...);
+``docs/architecture.md`` maps the packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
+    from agentspec.chat.templates import render_prompt
+    from agentspec.drafters.lookup import PromptLookupDrafter
+    from agentspec.drafters.suffix.config import SuffixConfig
+    from agentspec.drafters.suffix.drafter import SuffixDrafter
+    from agentspec.engine import EngineConfig, Generation, SpeculativeDecoder
+    from agentspec.errors import (
+        AgentSpecError,
+        BenchmarkError,
+        ConfigError,
+        DraftError,
+        GrammarError,
+        ModelLoadError,
+        PromptTooLongError,
+        SessionTooLargeError,
+        StoreBusyError,
+        StoreCorruptError,
+        StoreError,
+        TrainingDataError,
+        UnknownSessionError,
+    )
+    from agentspec.factory import build_drafter, build_engine
+    from agentspec.interfaces import ChatRuntime, Drafter, Target, Verifier
+    from agentspec.models import EMBEDDED_MODEL, resolve_model
+    from agentspec.runtime import ChatResult, Runtime, ToolChoice
+    from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
+    from agentspec.storage.sessions import SessionStore, StoreConfig, open_store
+    from agentspec.targets.hf import HFTarget, TargetConfig
+    from agentspec.types import (
+        Draft,
+        DraftContext,
+        RequestStats,
+        SamplingParams,
+        SessionRef,
+        StepStats,
+        VerifyResult,
+    )
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "Runtime": "agentspec.runtime",
+    "ChatResult": "agentspec.runtime",
+    "ToolChoice": "agentspec.runtime",
+    "AgentSpec": "agentspec.spec",
+    "DraftingPolicy": "agentspec.spec",
+    "VerifierPolicy": "agentspec.spec",
+    "SamplingParams": "agentspec.types",
+    "SessionRef": "agentspec.types",
+    "Draft": "agentspec.types",
+    "DraftContext": "agentspec.types",
+    "VerifyResult": "agentspec.types",
+    "RequestStats": "agentspec.types",
+    "StepStats": "agentspec.types",
+    "AgentSpecError": "agentspec.errors",
+    "ConfigError": "agentspec.errors",
+    "ModelLoadError": "agentspec.errors",
+    "PromptTooLongError": "agentspec.errors",
+    "DraftError": "agentspec.errors",
+    "BenchmarkError": "agentspec.errors",
+    "StoreError": "agentspec.errors",
+    "StoreCorruptError": "agentspec.errors",
+    "StoreBusyError": "agentspec.errors",
+    "UnknownSessionError": "agentspec.errors",
+    "SessionTooLargeError": "agentspec.errors",
+    "TrainingDataError": "agentspec.errors",
+    "GrammarError": "agentspec.errors",
+    "Target": "agentspec.interfaces",
+    "Drafter": "agentspec.interfaces",
+    "Verifier": "agentspec.interfaces",
+    "ChatRuntime": "agentspec.interfaces",
+    "HFTarget": "agentspec.targets.hf",
+    "TargetConfig": "agentspec.targets.hf",
+    "build_drafter": "agentspec.factory",
+    "build_engine": "agentspec.factory",
+    "SpeculativeDecoder": "agentspec.engine",
+    "EngineConfig": "agentspec.engine",
+    "Generation": "agentspec.engine",
+    "render_prompt": "agentspec.chat.templates",
+    "SessionStore": "agentspec.storage.sessions",
+    "StoreConfig": "agentspec.storage.sessions",
+    "open_store": "agentspec.storage.sessions",
+    "SuffixDrafter": "agentspec.drafters.suffix.drafter",
+    "SuffixConfig": "agentspec.drafters.suffix.config",
+    "PromptLookupDrafter": "agentspec.drafters.lookup",
+    "EMBEDDED_MODEL": "agentspec.models",
+    "resolve_model": "agentspec.models",
+}
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "AgentSpec",
+    "AgentSpecError",
+    "BenchmarkError",
+    "ChatResult",
+    "ChatRuntime",
+    "ConfigError",
+    "Draft",
+    "DraftContext",
+    "DraftError",
+    "Drafter",
+    "DraftingPolicy",
+    "EngineConfig",
+    "Generation",
+    "GrammarError",
+    "HFTarget",
+    "ModelLoadError",
+    "PromptLookupDrafter",
+    "PromptTooLongError",
+    "RequestStats",
+    "Runtime",
+    "SamplingParams",
+    "SessionRef",
+    "SessionStore",
+    "SessionTooLargeError",
+    "SpeculativeDecoder",
+    "StepStats",
+    "StoreBusyError",
+    "StoreConfig",
+    "StoreCorruptError",
+    "StoreError",
+    "SuffixConfig",
+    "SuffixDrafter",
+    "Target",
+    "TargetConfig",
+    "ToolChoice",
+    "TrainingDataError",
+    "UnknownSessionError",
+    "Verifier",
+    "VerifierPolicy",
+    "VerifyResult",
+    "build_drafter",
+    "build_engine",
+    "open_store",
+    "render_prompt",
+    "resolve_model",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name from its module on first use (PEP 562) and cache it here."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,7 +3,7 @@
 Everything that decodes for an agent builds its parts here, so what the benchmarks and the
 trace replay measure is what the product ships: :class:`~agentspec.runtime.Runtime`, the
 vLLM backend (its agentspec proposer's drafter, the suffix settings of vLLM's own suffix
-method), the benchmark methods (``workflows.methods``), the CLI and the trace generator
+method), the benchmark methods (``workflows.bench.methods``), the CLI and the trace generator
 all call :func:`build_drafter` / :func:`build_engine`.
 
 Every field of the spec that is accepted is read here:
@@ -33,7 +33,7 @@ from agentspec.verifiers import MultiDraftVerifier, build_verifier
 from agentspec.verifiers.keyed import KeyedVerifier
 
 if TYPE_CHECKING:
-    from agentspec.ledger import RegretLedger
+    from agentspec.storage.ledger import RegretLedger
 
 __all__ = ["build_drafter", "build_engine", "engine_config", "suffix_config", "suffix_drafter"]
 

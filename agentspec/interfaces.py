@@ -168,7 +168,7 @@ class Verifier(Protocol):
 @runtime_checkable
 class Constraint(Protocol):
     """A request's output grammar (structured outputs, tool calls): the engine masks the
-    target's logits with it at every verified position (see :mod:`agentspec.grammar`)."""
+    target's logits with it at every verified position (see :mod:`agentspec.chat.grammar`)."""
 
     def prepare(self, draft: Draft) -> Draft:
         """Walk the grammar along ``draft``; return it cut at its first forbidden token."""

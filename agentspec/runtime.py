@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentspec.chat import render_prompt
+from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
+from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
+from agentspec.chat.templates import render_prompt
+from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.factory import build_drafter, build_engine
-from agentspec.grammar import GrammarCompiler, GrammarConstraint
-from agentspec.grammar_sources import response_format_grammar, tool_call_grammar
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tokens import eos_ids
-from agentspec.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
 from agentspec.types import RequestStats, SamplingParams, SessionRef
 
 if TYPE_CHECKING:
@@ -174,9 +174,9 @@ class Runtime:
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.
             store_config: The store's limits and per-tenant quotas
-                (:class:`agentspec.store.StoreConfig`; default limits when ``None``).
+                (:class:`agentspec.storage.sessions.StoreConfig`; default limits when ``None``).
         """
-        from agentspec.store import open_store
+        from agentspec.storage.sessions import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
         return cls(target, open_store(store, store_config), default_spec)

@@ -38,7 +38,7 @@ class DraftingPolicy(BaseModel):
             on CPU a 2-3 token forward can cost more than it saves.
         tree: ``suffix`` / ``hybrid`` only: the session cache drafts one token tree
             merging every index's most probable continuations
-            (``agentspec.drafters.draft_tree``) instead of the best index's chain, verified
+            (``agentspec.drafters.suffix.draft_tree``) instead of the best index's chain, verified
             in one forward with tree attention; greedy requests only (a sampled request
             verifies the tree's first branch). ``None`` (default): on for ``suffix`` and
             ``hybrid`` under single-draft lossless greedy verification, off otherwise

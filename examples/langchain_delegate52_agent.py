@@ -28,7 +28,7 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 from adapters.langchain import ChatAgentSpec, ExecutorResult, ToolCallingExecutor
 from agentspec.spec import AgentSpec, DraftingPolicy
-from workflows.datasets import Domain, data_dir, load_delegate52
+from workflows.workloads.datasets import Domain, data_dir, load_delegate52
 
 SYSTEM = (
     "You are a careful document-editing agent. Use the tools: read a file with read_file, "

@@ -5,7 +5,7 @@ Run: .venv/bin/python examples/quickstart.py
 
 from __future__ import annotations
 
-from agentspec.chat import render_prompt
+from agentspec.chat.templates import render_prompt
 from agentspec.drafters import PromptLookupDrafter
 from agentspec.engine import SpeculativeDecoder
 from agentspec.targets.hf import HFTarget

@@ -1,5 +1,5 @@
 """Measure the distilled drafter on the embedded model: cost per drafted token against a
-target forward, and open-chat decoding (``workflows/chat.py`` prompts) against plain
+target forward, and open-chat decoding (``workflows/workloads/open_chat.py`` prompts) against plain
 greedy in the same process, with the strict greedy verifier.
 
     python scripts/measure_drafter.py                     # the default drafter
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from agentspec.chat import render_prompt
-from agentspec.drafters.distilled import load_default_drafter, load_distilled_drafter
-from agentspec.drafters.model import ModelDrafterConfig
+from agentspec.chat.templates import render_prompt
+from agentspec.drafters.model.causal import ModelDrafterConfig
+from agentspec.drafters.model.distilled import load_default_drafter, load_distilled_drafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.targets.hf import HFTarget
 from agentspec.types import DraftContext, RequestStats
-from workflows.chat import ChatWorkload
+from workflows.workloads.open_chat import ChatWorkload
 
 
 def _median_ms(fn: Any, repeats: int) -> float:

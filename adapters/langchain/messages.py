@@ -31,10 +31,10 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool_call, tool_call
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from agentspec.conversation_checks import check_tool_replies
+from agentspec.chat.checks import check_tool_replies
+from agentspec.chat.tool_calls import InvalidToolCall as RawInvalidCall
+from agentspec.chat.tool_calls import ToolCall as RawCall
 from agentspec.errors import ConfigError
-from agentspec.tool_calls import InvalidToolCall as RawInvalidCall
-from agentspec.tool_calls import ToolCall as RawCall
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = 
         ModelLoadError: the model cannot be found or loaded.
         ConfigError: an invalid dtype.
     """
-    from agentspec.store import open_store
+    from agentspec.storage.sessions import open_store
 
     key = (model or "", dtype, _store_key(store))
     with _GUARD:

@@ -98,7 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from agentspec.store import StoreConfig
+    from agentspec.storage.sessions import StoreConfig
 
     store: Path | bool = False if args.no_store else (args.store or True)
     quotas = StoreConfig(max_sessions_per_tenant=args.tenant_max_sessions,

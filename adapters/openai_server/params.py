@@ -123,8 +123,8 @@ def check_structured(request: Any, raw_tools: list[dict[str, Any]] | None) -> No
         APIError: a bad ``response_format`` type or schema, or a forced tool that is not
             bound.
     """
+    from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
     from agentspec.errors import GrammarError
-    from agentspec.grammar_sources import response_format_grammar, tool_call_grammar
 
     try:
         response_format_grammar(request.response_format)

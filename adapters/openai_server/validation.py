@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from adapters.openai_server.errors import bad_request
-from agentspec.conversation_checks import check_tool_replies, check_tool_schemas
+from agentspec.chat.checks import check_tool_replies, check_tool_schemas
 from agentspec.errors import ConfigError
 
 MAX_JSON_DEPTH = 64  # tool schemas nest a few levels; 64 leaves room and keeps recursion safe

@@ -16,7 +16,7 @@ holds request ``i``'s prompt and committed output (its first ``num_tokens_no_spe
 entries), and the return value is one list of draft token ids per row (empty: no draft).
 vLLM verifies the drafts itself, so the output is vLLM's own decoding whatever is proposed.
 
-Drafting is :class:`~agentspec.drafters.session_cache.SuffixDrafter` (the same suffix index
+Drafting is :class:`~agentspec.drafters.suffix.drafter.SuffixDrafter` (the same suffix index
 and session history as the embedded engine): a request index over the current prompt and
 output, and a history index per session over every earlier turn, prompt and output.
 
@@ -61,7 +61,7 @@ from typing import Any
 
 from adapters.vllm.payoff_gate import PayoffGate
 from adapters.vllm.request_ids import decode_request_id
-from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
+from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
 from agentspec.errors import ConfigError
 from agentspec.factory import suffix_config
 from agentspec.spec import AgentSpec, DraftingPolicy
@@ -187,7 +187,7 @@ class AgentSpecProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         config, self.min_score = _config_from_env(self.k)
         if store is None and os.environ.get(ENV_STORE):
-            from agentspec.store import SessionStore
+            from agentspec.storage.sessions import SessionStore
 
             store = SessionStore.open_or_recover(os.environ[ENV_STORE])
         self.drafter = SuffixDrafter(config, store=store)

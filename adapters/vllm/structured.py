@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.grammar_sources import tool_call_grammar
 from agentspec.errors import GrammarError
-from agentspec.grammar_sources import tool_call_grammar
 from agentspec.spec import AgentSpec
 
 

@@ -57,7 +57,7 @@ class HybridDrafter:
 
     Args:
         cache: The cache drafter (e.g. :class:`~agentspec.drafters.SuffixDrafter`).
-        model: The model drafter (e.g. :class:`~agentspec.drafters.model.ModelDrafter`).
+        model: The model drafter (e.g. :class:`~agentspec.drafters.model.causal.ModelDrafter`).
         policy: Which source to verify (learned, cost-aware or a hand rule).
         table: Character classes of the vocabulary (features); a blank table when the
             policy needs no features.

@@ -2,10 +2,10 @@
 
 * :mod:`~agentspec.payoff.features` — the runtime features φ_t of a cache draft;
 * :mod:`~agentspec.payoff.predictor` — the MLP g_θ(φ_t) -> ŷ_t (save/load as small JSON);
-* :mod:`~agentspec.payoff.traces` — greedy trace files (generate, validate, read);
-* :mod:`~agentspec.payoff.replay` — trace replay into oracle accepted lengths, the
+* :mod:`~agentspec.training.payoff_traces` — greedy trace files (generate, validate, read);
+* :mod:`~agentspec.training.payoff_replay` — trace replay into oracle accepted lengths, the
   session-level split, τ selection and quality numbers;
-* :mod:`~agentspec.payoff.training` — the training pipeline behind ``train-predictor``;
+* :mod:`~agentspec.training.payoff_fit` — the training pipeline behind ``train-predictor``;
 * :mod:`~agentspec.payoff.policy` — source policies (cost-aware, threshold, ArcticRule);
 * :mod:`~agentspec.payoff.defaults` — the shipped predictor and ``build_hybrid``.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.drafters.hybrid import HybridDrafter
-from agentspec.drafters.session_cache import SuffixDrafter
+from agentspec.drafters.suffix.drafter import SuffixDrafter
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.interfaces import Drafter
 from agentspec.payoff.features import TokenTable
@@ -69,19 +69,19 @@ def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
 
 def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 6) -> Drafter:
     """The model drafter: ``model`` (a causal LM folder / embedded name) when given, else
-    the trained EAGLE head for ``target`` (``agentspec.drafters.eagle``), else the
-    distilled drafter (``agentspec.drafters.distilled``).
+    the trained EAGLE head for ``target`` (``agentspec.drafters.model.eagle``), else the
+    distilled drafter (``agentspec.drafters.model.distilled``).
 
     Raises:
         DrafterUnavailableError: no EAGLE head and no distilled drafter for this target
             (the message says how to build one).
     """
     if model is not None:
-        from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+        from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 
         return ModelDrafter.load(model, ModelDrafterConfig(max_tokens=max_tokens),
                                  vocab_size=target.vocab_size)
-    from agentspec.drafters.eagle import EagleConfig, eagle_path, load_eagle
+    from agentspec.drafters.model.eagle import EagleConfig, eagle_path, load_eagle
 
     path = eagle_path(str(getattr(target, "name", "?")))
     if path is not None:
@@ -92,8 +92,8 @@ def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 
                 f"the EAGLE head {path} could not be loaded: {exc} "
                 "(retrain it with `agentspec train-drafter`)"
             ) from None
-    from agentspec.drafters import distilled
-    from agentspec.drafters.model import ModelDrafterConfig
+    from agentspec.drafters.model import distilled
+    from agentspec.drafters.model.causal import ModelDrafterConfig
 
     try:
         drafter: Drafter = distilled.load_default_drafter(

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from agentspec.errors import ConfigError, StoreBusyError, StoreCorruptError, StoreError
 
-log = logging.getLogger("agentspec.store")
+log = logging.getLogger("agentspec.storage.sessions")
 
 T = TypeVar("T")
 SYNC_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")

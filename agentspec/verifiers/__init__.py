@@ -30,8 +30,8 @@ from agentspec.verifiers.rejection import RejectionVerifier
 
 if TYPE_CHECKING:
     from agentspec.interfaces import Verifier
-    from agentspec.ledger import RegretLedger
     from agentspec.spec import VerifierPolicy
+    from agentspec.storage.ledger import RegretLedger
 
 __all__ = [
     "BlockVerifier",
@@ -67,7 +67,7 @@ def build_verifier(policy: VerifierPolicy, ledger: RegretLedger | None = None) -
       (keyed when seeded, GBV otherwise).
     """
     if policy.mode == "budgeted":
-        from agentspec.ledger import RegretLedger
+        from agentspec.storage.ledger import RegretLedger
 
         config = BudgetConfig(
             budget=policy.budget, gate=policy.gate, max_exceptions=policy.max_exceptions,

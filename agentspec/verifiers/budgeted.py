@@ -21,7 +21,7 @@ verifier's own token is the target's argmax after the accepted prefix.
 
 ``B = 0`` disables exceptions, which makes the rule exactly :class:`GreedyVerifier`'s:
 token-identical to strict greedy decoding (tested). Regret is charged to a per-request
-running total and, with a :class:`~agentspec.ledger.RegretLedger`, to the session's
+running total and, with a :class:`~agentspec.storage.ledger.RegretLedger`, to the session's
 persisted account; with ``scope="session"`` the budget caps the session's lifetime spend.
 Sampled requests (temperature > 0) are verified losslessly by the fallback sampler: ASD
 is a relaxation of greedy decoding only. The default fallback is
@@ -41,7 +41,7 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Verifier
-from agentspec.ledger import RegretLedger
+from agentspec.storage.ledger import RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
 from agentspec.verifiers.block import BlockVerifier
 from agentspec.verifiers.keyed import KeyedVerifier

@@ -23,7 +23,7 @@ import uvicorn
 from server_fakes import FakeRuntime
 
 from adapters.openai_server import ServerConfig, create_app
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 
 DELTA_S = 0.004  # per 3-character delta: a 300-character reply streams for ~0.4 s
 

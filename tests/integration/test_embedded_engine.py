@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.chat import render_prompt
+from agentspec.chat.templates import render_prompt
 from agentspec.drafters import OracleDrafter, PromptLookupDrafter, SuffixDrafter
-from agentspec.drafters.session_cache import SuffixConfig
+from agentspec.drafters.suffix.drafter import SuffixConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import BenchmarkError, ModelLoadError
 from agentspec.models import _convert_gguf, _embedded_gguf
@@ -59,7 +59,7 @@ def _hvd_drafters(target: HFTarget) -> tuple[object, ...]:
 def test_shipped_eagle_head_drafts_from_hidden_states(embedded_target: HFTarget) -> None:
     """The packaged EAGLE head loads for the embedded model and its drafts are accepted
     often enough to matter (measured ~30 % of first draft tokens on open chat)."""
-    from agentspec.drafters.eagle import EagleDrafter
+    from agentspec.drafters.model.eagle import EagleDrafter
 
     eagle = _hvd_drafters(embedded_target)[0]
     assert isinstance(eagle, EagleDrafter)
@@ -124,7 +124,7 @@ def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_bench_smoke_json_contract(embedded_target: HFTarget, tmp_path: Path) -> None:
-    from workflows.harness import BenchConfig, run_bench
+    from workflows.bench.harness import BenchConfig, run_bench
 
     out = tmp_path / "results.json"
     cfg = BenchConfig(workloads=["smoke"], methods=["greedy", "prompt_lookup",
@@ -163,7 +163,7 @@ def test_cli_bench_end_to_end(tmp_path: Path) -> None:
 
 
 def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -> None:
-    from workflows.interleaved import Part, format_table, parse_mix, run
+    from workflows.bench.interleaved import Part, format_table, parse_mix, run
 
     report = run(["prompt_lookup", "suffix", "oracle"], [Part("smoke", 1, 2)],
                  progress=False, target=embedded_target)

@@ -17,7 +17,7 @@ from adapters.openai_server import ServerConfig
 from adapters.openai_server.auth import KeyRing
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 from agentspec.types import SessionRef
 
 pytestmark = pytest.mark.integration

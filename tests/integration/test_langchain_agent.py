@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from adapters.langchain import ChatAgentSpec
-from workflows.datasets import data_dir, load_delegate52
+from workflows.workloads.datasets import data_dir, load_delegate52
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.targets.hf import HFTarget
 from agentspec.types import SessionRef
-from workflows.methods import MethodContext, build_method, method_spec
+from workflows.bench.methods import MethodContext, build_method, method_spec
 
 pytestmark = pytest.mark.integration
 

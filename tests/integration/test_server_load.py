@@ -26,7 +26,7 @@ from adapters.openai_server import ServerConfig
 from adapters.openai_server.auth import KeyRing
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

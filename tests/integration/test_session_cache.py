@@ -17,16 +17,16 @@ import pytest
 from agentspec.drafters import ArcticSuffixDrafter, SuffixConfig, SuffixDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.runtime import Runtime
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 from agentspec.targets.hf import HFTarget
 from agentspec.types import DraftContext, SessionRef
-from workflows.smoke import SmokeSession
+from workflows.workloads.smoke import SmokeSession
 
 pytestmark = pytest.mark.integration
 
 
 def _smoke_prompts(target: HFTarget, turns: int) -> list[tuple[list[int], int]]:
-    from agentspec.chat import render_prompt
+    from agentspec.chat.templates import render_prompt
 
     sess = SmokeSession("x", turns)
     out = []
@@ -66,7 +66,7 @@ CHILD = textwrap.dedent("""
     from agentspec.runtime import Runtime
     from agentspec.spec import AgentSpec
     from agentspec.types import DraftContext, SessionRef
-    from workflows.smoke import SmokeSession
+    from workflows.workloads.smoke import SmokeSession
     rt = Runtime.load(store=sys.argv[1])
     ref = SessionRef("killed", tenant="t1")
     probe = rt.tokenizer.encode('  "replicas": 3,\\n  "region": "eu-west-1",')

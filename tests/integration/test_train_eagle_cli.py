@@ -18,8 +18,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_train_eagle_cli_end_to_end(embedded_target: HFTarget, tmp_path: Path) -> None:
-    from agentspec.chat import render_prompt
-    from agentspec.drafters.eagle import load_eagle
+    from agentspec.chat.templates import render_prompt
+    from agentspec.drafters.model.eagle import load_eagle
 
     out, again = tmp_path / "head.safetensors", tmp_path / "again.safetensors"
     teacher = tmp_path / "teacher.pt"

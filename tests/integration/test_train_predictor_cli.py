@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from agentspec.payoff.predictor import PayoffPredictor
-from agentspec.payoff.traces import read_traces
 from agentspec.targets.hf import HFTarget
-from workflows.training_data import bench_session_ids
+from agentspec.training.payoff_traces import read_traces
+from workflows.workloads.training_data import bench_session_ids
 
 pytestmark = pytest.mark.integration
 

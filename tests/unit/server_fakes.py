@@ -9,7 +9,7 @@ tool-call parsing, errors raised on the first ``next``) without loading a model.
 * ``WAIT``: blocks until ``release`` is set (queue tests);
 * anything else: ``You said: <text>``, one character per "token".
 
-With a ``store`` (a :class:`~agentspec.store.SessionStore`), a finished generation of a
+With a ``store`` (a :class:`~agentspec.storage.sessions.SessionStore`), a finished generation of a
 session appends its turn (the reply's code points as "token ids") before the result is
 handed over, as the real engine does: a generation closed early stores nothing.
 """
@@ -20,10 +20,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec
-from agentspec.tool_calls import parse_tool_calls, tool_names
 from agentspec.types import RequestStats, SessionRef, StepStats
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from workflows.methods import GeneratedStop
+from workflows.bench.methods import GeneratedStop
 
 
 class Chars:

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
-from agentspec.ledger import LedgerEntry, RegretLedger
 from agentspec.spec import AgentSpec, VerifierPolicy
+from agentspec.storage.ledger import LedgerEntry, RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef
 from agentspec.verifiers import (
     BlockVerifier,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.cli import build_parser
+from agentspec.cli.console import build_parser
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.drafter_corpus import TeacherSeq, _topk, training_prompts
+from agentspec.cli.train_drafter import read_traces
 from agentspec.drafters import DistilledDrafter, load_default_drafter
-from agentspec.drafters.distilled import describe, load_distilled_drafter
-from agentspec.drafters.model import ModelDrafterConfig
+from agentspec.drafters.model.causal import ModelDrafterConfig
+from agentspec.drafters.model.distilled import describe, load_distilled_drafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError, ModelLoadError, TrainingDataError
-from agentspec.train_drafter import (
+from agentspec.training.corpus import TeacherSeq, _topk, training_prompts
+from agentspec.training.drafter import (
     TrainDrafterConfig,
     choose_draft_vocab,
     save_artifact,
     train_student,
 )
-from agentspec.train_drafter_cli import read_traces
 from agentspec.types import DraftContext
 from tests.conftest import TINY_VOCAB
 from tests.unit.test_engine_lossless import hf_greedy
@@ -196,7 +196,7 @@ def test_cli_refuses_bad_settings(capsys) -> None:  # type: ignore[no-untyped-de
 
 
 def test_packaged_artifact_if_present_is_small() -> None:
-    from agentspec.drafters.distilled import PACKAGED_DIR
+    from agentspec.drafters.model.distilled import PACKAGED_DIR
 
     for path in Path(PACKAGED_DIR).glob("*.safetensors"):
         limit = 10 if path.stem.endswith("-eagle") else 2.5  # the EAGLE head is ~8 MB

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from agentspec.drafters import SuffixConfig, SuffixDrafter
-from agentspec.drafters.draft_tree import COMPILED, WeightedTree, merge_trees, merge_trees_py
-from agentspec.drafters.suffix_backends import arctic_available
+from agentspec.drafters.suffix.draft_tree import COMPILED, WeightedTree, merge_trees, merge_trees_py
+from agentspec.drafters.suffix.index import arctic_available
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 BACKENDS = ["python", "arctic"] if arctic_available() else ["python"]

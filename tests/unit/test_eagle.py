@@ -10,18 +10,24 @@ from typing import Any
 import pytest
 import torch
 
-from agentspec.drafters.eagle import EagleConfig, EagleDrafter, build_head, load_eagle, save_eagle
-from agentspec.drafters.eagle_head import HeadSpec
+from agentspec.drafters.model.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    build_head,
+    load_eagle,
+    save_eagle,
+)
+from agentspec.drafters.model.eagle_head import HeadSpec
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError, ModelLoadError
-from agentspec.train_eagle import TrainEagleConfig, extract_features, train_head
+from agentspec.training.eagle import TrainEagleConfig, extract_features, train_head
 from agentspec.types import DraftContext
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _head(model: Any, seed: int = 0) -> Any:
-    from agentspec.drafters.distilled import embedding_checksum
+    from agentspec.drafters.model.distilled import embedding_checksum
 
     torch.manual_seed(seed)
     vocab = tuple(range(model.config.vocab_size))
@@ -77,7 +83,7 @@ def test_target_features_match_a_full_forward(tiny_target: Any, tiny_model: Any)
 def test_head_cache_equals_a_full_causal_pass(tiny_model: Any) -> None:
     """Catching up in chunks through the head's KV cache gives the same outputs as one
     causal pass over all pairs (masks, positions and cache growth are right)."""
-    from agentspec.drafters.eagle_head import HeadCache
+    from agentspec.drafters.model.eagle_head import HeadCache
 
     head = _head(tiny_model)
     gen = torch.Generator().manual_seed(1)

@@ -11,7 +11,7 @@ import torch
 
 from agentspec.drafters import SuffixDrafter
 from agentspec.drafters.hybrid import HybridDrafter
-from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 from agentspec.drafters.multi import IIDDrafts
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError, DraftError
@@ -25,7 +25,7 @@ from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef
 from tests.conftest import TINY_VOCAB, noisy_copy
-from workflows.methods import MethodContext, build_method, method_spec
+from workflows.bench.methods import MethodContext, build_method, method_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

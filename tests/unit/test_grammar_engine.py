@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import pytest
 
+from agentspec.chat.grammar import GrammarCompiler
+from agentspec.chat.grammar_sources import json_grammar
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError, GrammarError
-from agentspec.grammar import GrammarCompiler
-from agentspec.grammar_sources import json_grammar
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from tests.conftest import TINY_VOCAB, CharDecoder
 
@@ -175,7 +175,7 @@ def test_misuse_raises(tiny_target, compiler) -> None:  # type: ignore[no-untype
 
 def test_constrained_bench_methods(tiny_target, compiler) -> None:  # type: ignore[no-untyped-def]
     from agentspec.errors import BenchmarkError
-    from workflows.methods import EngineMethod, MethodContext, build_method
+    from workflows.bench.methods import EngineMethod, MethodContext, build_method
 
     class _Ctx(MethodContext):
         eos_ids = (EOS,)  # the tiny target has no tokenizer
@@ -189,7 +189,7 @@ def test_constrained_bench_methods(tiny_target, compiler) -> None:  # type: igno
 
 
 def test_runtime_picks_the_request_grammar() -> None:
-    from agentspec.grammar_sources import tool_call_grammar
+    from agentspec.chat.grammar_sources import tool_call_grammar
     from agentspec.runtime import Runtime
     from agentspec.spec import AgentSpec
 

@@ -11,8 +11,8 @@ from typing import ClassVar
 import pytest
 
 from agentspec.drafters.hybrid import HybridDrafter
-from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
-from agentspec.drafters.session_cache import SuffixDrafter
+from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.suffix.drafter import SuffixDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.payoff.features import NUM_FEATURES, TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
@@ -134,9 +134,9 @@ def test_hybrid_refuses_a_feature_policy_without_a_table(draft_model) -> None:  
 def test_hvd_methods_fail_clearly_without_a_drafter(
     tiny_target, monkeypatch, method: str  # type: ignore[no-untyped-def]
 ) -> None:
-    from agentspec.drafters import distilled
+    from agentspec.drafters.model import distilled
     from agentspec.errors import BenchmarkError, ModelLoadError
-    from workflows.methods import MethodContext, build_method
+    from workflows.bench.methods import MethodContext, build_method
 
     def missing(*_a: object, **_k: object) -> None:
         raise ModelLoadError("no trained drafter for target 'tiny-llama'")

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from agentspec.drafters.eagle import EagleConfig, EagleDrafter, build_head
-from agentspec.drafters.eagle_head import HeadSpec
-from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.model.eagle import EagleConfig, EagleDrafter, build_head
+from agentspec.drafters.model.eagle_head import HeadSpec
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.multi_engine import MultiDraftDecoder
@@ -199,7 +199,7 @@ def _reference(model: Any, prompt: list[int], n: int, sp: SamplingParams) -> lis
 
 
 def _eagle(model: Any) -> EagleDrafter:
-    from agentspec.drafters.distilled import embedding_checksum
+    from agentspec.drafters.model.distilled import embedding_checksum
 
     torch.manual_seed(0)
     spec = HeadSpec.for_target(model, (*range(0, 96, 2), 1), "tiny-llama",

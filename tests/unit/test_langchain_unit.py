@@ -33,11 +33,11 @@ from adapters.langchain import (
 )
 from adapters.langchain import runtimes as runtimes_mod
 from adapters.langchain.messages import VisibleText
-from agentspec.chat import normalise_messages
+from agentspec.chat.templates import normalise_messages
+from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import AgentSpecError, ConfigError, StoreBusyError
 from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec, DraftingPolicy
-from agentspec.tool_calls import parse_tool_calls, tool_names
 from agentspec.types import RequestStats, StepStats
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.multi_engine import MultiDraftDecoder

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
+from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
 from agentspec.payoff.features import FEATURE_NAMES, NUM_FEATURES, TokenTable, features
 from agentspec.payoff.policy import (
     ArcticRule,
@@ -23,8 +23,15 @@ from agentspec.payoff.policy import (
     solve_alpha,
 )
 from agentspec.payoff.predictor import PayoffPredictor, PredictorError
-from agentspec.payoff.replay import common_prefix, evaluate, pick_tau, replay_trace, split_sessions
-from agentspec.payoff.traces import (
+from agentspec.training.payoff_fit import TrainConfig, train_predictor
+from agentspec.training.payoff_replay import (
+    common_prefix,
+    evaluate,
+    pick_tau,
+    replay_trace,
+    split_sessions,
+)
+from agentspec.training.payoff_traces import (
     Trace,
     TraceError,
     TraceSet,
@@ -32,7 +39,6 @@ from agentspec.payoff.traces import (
     read_traces,
     write_traces,
 )
-from agentspec.payoff.training import TrainConfig, train_predictor
 from agentspec.types import Draft, DraftContext
 from tests.conftest import TINY_VOCAB, CharDecoder
 
@@ -349,8 +355,8 @@ def test_train_predictor_cli_help_and_refusal(tmp_path: Path, capsys) -> None:  
 
 
 def test_traced_sessions_leave_out_the_benchmarked_ones() -> None:
-    from agentspec.payoff.traces import TraceSpec
-    from workflows.training_data import bench_session_ids, select_sessions
+    from agentspec.training.payoff_traces import TraceSpec
+    from workflows.workloads.training_data import bench_session_ids, select_sessions
 
     bench = bench_session_ids(["delegate52", "chat"])
     assert len(bench) == 10 and "chat-00" in bench and "delegate52-accounting" in bench

@@ -1,4 +1,4 @@
-"""Degenerate-loop detection: the exact definition in workflows/repetition.py."""
+"""Degenerate-loop detection: the exact definition in workflows/bench/repetition.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workflows.repetition import loop_mask, loop_share
+from workflows.bench.repetition import loop_mask, loop_share
 
 
 def _brute_force(tokens: list[int], lo: int, hi: int, reps: int, span: int) -> list[bool]:

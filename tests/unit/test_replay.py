@@ -11,15 +11,15 @@ import pytest
 
 from agentspec.cli import main
 from agentspec.types import SessionRef
-from workflows import replay
-from workflows.replay import accepted, replay_sessions
-from workflows.replay_traces import (
+from workflows.replay import runner as replay
+from workflows.replay.logs import (
     PACKAGED_TRACES,
     ReplaySession,
     ReplayTurn,
     TraceFormatError,
     load_sessions,
 )
+from workflows.replay.runner import accepted, replay_sessions
 
 END = 3  # the fake tokenizer's end-of-turn token
 
@@ -157,7 +157,7 @@ def test_packaged_traces_ship_with_their_license() -> None:
 
 
 def test_preamble_lengthens_prompts_without_leaking_answers() -> None:
-    from workflows.replay import with_preamble
+    from workflows.replay.runner import with_preamble
 
     sessions = _sessions()
     padded = with_preamble(sessions, 500)
@@ -172,9 +172,9 @@ def test_preamble_lengthens_prompts_without_leaking_answers() -> None:
 
 def test_cost_curve_interpolates_and_rejects_bad_files(tmp_path: Path) -> None:
     from agentspec.errors import ConfigError
-    from workflows.replay import curve_cost, read_curve
+    from workflows.replay.runner import curve_cost, read_curve
 
-    packaged = Path(replay.__file__).parent / "data" / "costs"
+    packaged = Path(replay.__file__).parents[1] / "data" / "costs"
     curve = read_curve(next(packaged.glob("*.json")))
     cost = curve_cost(curve)
     assert cost(1) == curve[1] and cost(32) == curve[32]

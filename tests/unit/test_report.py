@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agentspec.errors import BenchmarkError
-from workflows.report import MISSING, format_table, main, turn_speedups, write_report
+from workflows.report.tables import MISSING, format_table, main, turn_speedups, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -113,7 +113,7 @@ def test_mixed_pools_workloads_per_method(tmp_path: Path) -> None:
     drops methods missing from one of them, and compares with the best single source."""
     import json
 
-    from workflows.mixed import best_single, load_rows, pooled
+    from workflows.bench.mixed import best_single, load_rows, pooled
 
     def row(w: str, m: str, tokens: int, seconds: float, fwd: float) -> dict[str, object]:
         return {"workload": w, "method": m, "tokens": tokens, "seconds": seconds,
@@ -148,7 +148,7 @@ def test_two_runs_in_one_folder_do_not_overwrite(tmp_path: Path) -> None:
 
 
 def test_histogram_titles_match_the_table(tmp_path: Path) -> None:
-    from workflows.report_plots import LAST_TITLES
+    from workflows.report.plots import LAST_TITLES
 
     write_report(_write(tmp_path, _results()), tmp_path)
     # The table's "mean accepted len" column: 1.00 for greedy, 5.20 for suffix.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agentspec.drafters.model import ModelDrafter, ModelDrafterConfig
+from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.sampling import process_logits, sample_token

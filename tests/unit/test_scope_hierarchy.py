@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from agentspec.drafters import SuffixConfig, SuffixDrafter
-from agentspec.drafters.session_cache import novel_start, visible_keys
-from agentspec.drafters.suffix_backends import arctic_available
+from agentspec.drafters.suffix.drafter import novel_start, visible_keys
+from agentspec.drafters.suffix.index import arctic_available
 from agentspec.types import DraftContext, SessionRef, VerifyResult
 
 BACKENDS = ["python", "arctic"] if arctic_available() else ["python"]
@@ -191,7 +191,7 @@ def test_backends_agree_on_a_copy_workload() -> None:
 def test_carried_indexes_and_latest_turns_stay_within_their_token_budgets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from agentspec.drafters import session_cache
+    from agentspec.drafters.suffix import drafter as session_cache
 
     monkeypatch.setattr(session_cache, "_CARRY_TOKENS", 500)
     monkeypatch.setattr(session_cache, "_LAST_TURN_TOKENS", 800)
@@ -237,8 +237,8 @@ def test_levels_nobody_reads_are_built_when_first_read(backend: str) -> None:
 
 
 def test_pending_turns_are_evicted_and_dropped_like_indexed_ones() -> None:
-    from agentspec.drafters.cache_levels import Pool
-    from agentspec.drafters.suffix_backends import new_tree
+    from agentspec.drafters.suffix.index import new_tree
+    from agentspec.drafters.suffix.levels import Pool
 
     pool = Pool(new_tree("python", 64, 32))
     pool.add("a", 1, [1, 2, 3, 4], budget=100)

@@ -33,7 +33,7 @@ from server_fakes import FakeRuntime
 
 from adapters.openai_server import ServerConfig, create_app
 from adapters.openai_server.auth import KeyRing
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 
 MIN_REQUESTS = 2000
 VALID_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")

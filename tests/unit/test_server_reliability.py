@@ -35,7 +35,7 @@ from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.service import ChatService, Job
 from agentspec.errors import ConfigError
 from agentspec.spec import AgentSpec
-from agentspec.store import SessionStore, StoreConfig
+from agentspec.storage.sessions import SessionStore, StoreConfig
 from agentspec.types import SessionRef, check_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -210,7 +210,7 @@ def test_shutdown_checkpoints_the_store_into_its_main_file(tmp_path: Path) -> No
 
 
 def test_sessions_backup_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from agentspec.sessions_cli import main
+    from agentspec.cli.sessions import main
 
     path = tmp_path / "s.sqlite3"
     with SessionStore(path) as live:
@@ -326,7 +326,7 @@ def test_full_store_evicts_from_the_heaviest_tenant(tmp_path: Path) -> None:
 
 
 def test_in_memory_history_lru_is_per_tenant() -> None:
-    from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter
+    from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
     from agentspec.types import DraftContext
 
     drafter = SuffixDrafter(SuffixConfig(max_scopes=4, scope="session"))

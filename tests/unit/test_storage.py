@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from agentspec.errors import ConfigError, StoreCorruptError
-from agentspec.ledger import RegretLedger
 from agentspec.storage import Schema, SQLiteFile
-from agentspec.store import SessionStore
+from agentspec.storage.ledger import RegretLedger
+from agentspec.storage.sessions import SessionStore
 from agentspec.types import SessionRef
 
 REF = SessionRef("s1", "t1", "a1")
@@ -64,7 +64,7 @@ def test_ledger_refuses_foreign_database_and_adopts_legacy_file(tmp_path: Path) 
 
 CHARGER = """
 import sys
-from agentspec.ledger import RegretLedger
+from agentspec.storage.ledger import RegretLedger
 from agentspec.types import SessionRef
 ledger = RegretLedger(sys.argv[1])
 for _ in range(int(sys.argv[2])):

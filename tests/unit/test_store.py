@@ -25,7 +25,7 @@ from agentspec.errors import (
     StoreCorruptError,
     UnknownSessionError,
 )
-from agentspec.store import SessionStore, StoreConfig
+from agentspec.storage.sessions import SessionStore, StoreConfig
 from agentspec.types import SessionRef
 
 # The same deterministic turn generator runs in child processes (as source) and here.
@@ -40,7 +40,7 @@ turn = cast("Callable[[int, int], list[int]]", _ns["turn"])
 
 WRITER = TURN_SRC + """
 import sys
-from agentspec.store import SessionStore
+from agentspec.storage.sessions import SessionStore
 from agentspec.types import SessionRef
 store = SessionStore(sys.argv[1])
 ref, base, count = SessionRef(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -113,7 +113,7 @@ def test_new_process_sees_committed_turns(tmp_path: Path) -> None:
         store.append_turn(SessionRef("s"), [1, 2])
         store.append_turn(SessionRef("s"), [3])
     code = (
-        "import json, sys; from agentspec.store import SessionStore; "
+        "import json, sys; from agentspec.storage.sessions import SessionStore; "
         "from agentspec.types import SessionRef; "
         "print(json.dumps(SessionStore(sys.argv[1]).load(SessionRef('s'))))"
     )
@@ -316,7 +316,7 @@ def test_foreign_database_and_closed_store(tmp_path: Path) -> None:
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "AGENTSPEC_HOME": str(tmp_path / "home")}  # never the real store
     return subprocess.run(
-        [sys.executable, "-m", "agentspec.sessions_cli", *args],
+        [sys.executable, "-m", "agentspec.cli.sessions", *args],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
     )
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from agentspec.drafters.session_cache import SuffixConfig, SuffixDrafter, scope_key
-from agentspec.drafters.suffix_tree import SuffixIndex, spec_limit
+from agentspec.drafters.suffix.automaton import SuffixIndex, spec_limit
+from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter, scope_key
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.types import DraftContext, SessionRef, VerifyResult
@@ -205,7 +205,7 @@ def test_request_window_bounds_the_request_match_only(monkeypatch: pytest.Monkey
     """The request index is matched on the last ``request_window`` tokens (its own suffix
     always matches, so a longer window only costs time), history indexes on ``max_depth``;
     on a copy workload both windows draft alike."""
-    from agentspec.drafters import suffix_backends
+    from agentspec.drafters.suffix import index as suffix_backends
 
     lengths: list[int] = []
     for cls in (suffix_backends.ArcticTree, suffix_backends.PyTree):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentspec.drafters import SuffixDrafter
-from agentspec.drafters.session_cache import SuffixConfig
+from agentspec.drafters.suffix.drafter import SuffixConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.interfaces import BatchTarget, TreeTarget

@@ -1,4 +1,4 @@
-"""``bench_vllm --concurrency``: the scheduler (on a fake engine) and proposer timing."""
+"""``workflows.bench.vllm --concurrency``: the scheduler (on a fake engine) and proposer timing."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from adapters.vllm.request_ids import decode_request_id
 from agentspec.errors import ConfigError
 from agentspec.types import SessionRef
 from tests.unit.test_vllm_adapter import PROMPT, FakeModelRunner
-from workflows.bench_vllm import build_parser
-from workflows.vllm_concurrency import run_concurrent
+from workflows.bench.vllm import build_parser
+from workflows.bench.vllm_concurrency import run_concurrent
 
 
 class FakeEngine:

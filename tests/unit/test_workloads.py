@@ -10,9 +10,8 @@ import pytest
 
 from agentspec.errors import BenchmarkError
 from agentspec.types import check_id
-from workflows.base import Request
-from workflows.chat import ChatWorkload
-from workflows.datasets import (
+from workflows.workloads.base import Request
+from workflows.workloads.datasets import (
     DATA_ENV,
     FIXTURE_DIR,
     data_dir,
@@ -20,7 +19,7 @@ from workflows.datasets import (
     load_editeval,
     load_prompt_template,
 )
-from workflows.delegate52 import (
+from workflows.workloads.delegate52 import (
     Delegate52Workload,
     RelaySession,
     documents_from_output,
@@ -29,9 +28,10 @@ from workflows.delegate52 import (
     mentioned_files,
     parse_file_blocks,
 )
-from workflows.instructedit import InstructEditWorkload, extract_code, run_test
-from workflows.tool_agent import ToolAgentWorkload
-from workflows.tools import TOOLS, FakeTools, calculate, parse_tool_call, strip_tool_calls
+from workflows.workloads.instructedit import InstructEditWorkload, extract_code, run_test
+from workflows.workloads.open_chat import ChatWorkload
+from workflows.workloads.tool_agent import ToolAgentWorkload
+from workflows.workloads.tools import TOOLS, FakeTools, calculate, parse_tool_call, strip_tool_calls
 
 
 def _copy_fixture(dst: Path) -> Path:

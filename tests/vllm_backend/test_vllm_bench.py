@@ -1,7 +1,7 @@
 """vLLM plain vs vLLM suffix vs vLLM + agentspec proposer on the same agent sessions.
 
 One DELEGATE-52 relay and one smoke JSON-editing session (3 turns each, every turn capped at
-160 tokens), each configuration in its own engine process (``workflows.bench_vllm``). The
+160 tokens), each configuration in its own engine process (``workflows.bench.vllm``). The
 outputs must be token-identical to plain decoding in fp32 (also with the payoff gate, when
 the shipped payoff predictor is present); tokens/s of each are written to
 ``results/vllm_bench.json`` (and the table to ``results/vllm_bench.txt``).
@@ -19,8 +19,8 @@ if VLLM_MISSING:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from agentspec.payoff.defaults import DEFAULT_PREDICTOR
-from workflows.bench_vllm import format_table
-from workflows.bench_vllm import main as bench_main
+from workflows.bench.vllm import format_table
+from workflows.bench.vllm import main as bench_main
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 CONFIGS = ["vllm_plain", "vllm_suffix", "agentspec_proposer"]

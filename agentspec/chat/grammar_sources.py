@@ -1,0 +1,157 @@
+"""Where grammars come from: JSON schemas, OpenAI ``response_format`` and tool schemas,
+turned into llguidance Lark text for :class:`agentspec.chat.grammar.GrammarCompiler`.
+
+JSON is laid out the way the prompt shows it (``", "`` between items, ``": "`` after
+keys, no other whitespace): a small model then meets the separators it expects, cannot
+stall in a run of spaces, and a session's suffix cache sees the same bytes every turn.
+
+Tool calls use the chat format of :mod:`agentspec.chat.templates`:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A forced call (``tool_choice``
+``"required"``/``"any"`` or a named tool) must be exactly one such block whose name is a
+bound tool and whose arguments follow that tool's parameter schema. Under ``"auto"`` the
+model may write prose; once it writes ``<tool_call>`` the body is held to the same rule.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from agentspec.chat.tool_calls import tool_names
+from agentspec.errors import GrammarError
+
+#: llguidance JSON options: fixed separators, as in the prompt's tool-call example.
+JSON_STYLE: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _json_rule(schema: dict[str, Any], lenient: bool = False) -> str:
+    """A Lark ``%json`` rule body for ``schema`` in the project's JSON layout."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    style = dict(JSON_STYLE, lenient=True) if lenient else JSON_STYLE
+    try:
+        return "%json " + json.dumps({**schema, "x-guidance": style}, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise GrammarError(f"JSON schema is not serialisable: {exc}") from exc
+
+
+def json_grammar(schema: dict[str, Any] | None = None) -> str:
+    """Grammar of one JSON value following ``schema`` (``None``: any JSON object)."""
+    return "start: " + _json_rule(schema if schema is not None else {"type": "object"})
+
+
+def response_format_grammar(response_format: Any) -> str | None:
+    """Grammar for an OpenAI ``response_format`` (``None`` for plain text).
+
+    ``{"type": "json_object"}`` allows any JSON object; ``{"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` the schema's documents
+    (enforced whether or not ``strict`` is set: constrained decoding costs nothing extra).
+
+    Raises:
+        GrammarError: an unknown type or a ``json_schema`` without a schema object.
+    """
+    if response_format is None:
+        return None
+    if hasattr(response_format, "model_dump"):
+        response_format = response_format.model_dump(by_alias=True, exclude_none=True)
+    if not isinstance(response_format, dict):
+        raise GrammarError(f"response_format must be an object, got {response_format!r}")
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return json_grammar(None)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise GrammarError(
+                "response_format.json_schema.schema must be a JSON schema object, got "
+                f"{schema!r}"
+            )
+        return json_grammar(schema)
+    raise GrammarError(
+        f"response_format.type {kind!r} is not supported; use 'text', 'json_object' or "
+        "'json_schema'"
+    )
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    return fn if isinstance(fn, dict) else {}
+
+
+def tool_call_schema(tools: Sequence[dict[str, Any]], only: str | None = None) -> dict[str, Any]:
+    """JSON schema of a call body ``{"name": ..., "arguments": {...}}`` to one of ``tools``
+    (or to the tool named ``only``), each name paired with its own parameter schema."""
+    options = []
+    for tool in tools:
+        fn = _function(tool)
+        name = fn.get("name")
+        if not isinstance(name, str) or (only is not None and name != only):
+            continue
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise GrammarError(f"tool {name!r} parameters must be a JSON schema object")
+        if "properties" in params and "additionalProperties" not in params:
+            # Arguments are the declared parameters (OpenAI strict mode's rule too): a
+            # small model otherwise pads the call with invented keys.
+            params = {**params, "additionalProperties": False}
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    if not options:
+        raise GrammarError(f"no bound tool named {only!r}" if only else "no tools to call")
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def chosen_tool(tool_choice: Any) -> str | None:
+    """The tool name a ``tool_choice`` forces (``None`` when it names none)."""
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function") or {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        return name or tool_choice.get("name")
+    if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "any", "required"):
+        return tool_choice
+    return None
+
+
+def tool_call_grammar(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
+    """Grammar of an answer under ``tool_choice`` (``None``: unconstrained).
+
+    ``"required"``/``"any"`` and named tools force exactly one valid call; ``"auto"`` (and
+    ``None``) allow prose, or prose followed by one valid call; ``"none"`` constrains nothing.
+
+    Raises:
+        GrammarError: a forced choice without tools, a name that is not bound, or a tool
+            whose parameter schema llguidance cannot compile.
+    """
+    if not tools or tool_choice == "none":
+        if tool_choice not in (None, "auto", "none"):
+            raise GrammarError(f"tool_choice={tool_choice!r} needs at least one bound tool")
+        return None
+    name = chosen_tool(tool_choice)
+    if name is not None and name not in tool_names(list(tools)):
+        raise GrammarError(
+            f"tool_choice {tool_choice!r} names no bound tool; bound: {tool_names(list(tools))}"
+        )
+    call = "call: " + _json_rule(tool_call_schema(tools, name), lenient=True)
+    if tool_choice in (None, "auto"):
+        # Prose ending at the first opening tag, then a call; or prose that never opens
+        # one. Plain lexemes (not llguidance's stop= rules, which cannot roll back).
+        return "\n".join([
+            f'start: OPEN call "{CALL_CLOSE}" | PROSE',
+            f"OPEN: /(?s:.*){CALL_OPEN}/ & ~/(?s:.*{CALL_OPEN}.+)/",
+            f"PROSE: /(?s:.*)/ & ~/(?s:.*{CALL_OPEN}.*)/",
+            call,
+        ])
+    return f'start: "{CALL_OPEN}" call "{CALL_CLOSE}"\n{call}'

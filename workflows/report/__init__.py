@@ -1,0 +1,1 @@
+"""The benchmark report: Markdown tables and plots from a harness results file."""
