@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
+    from agentspec.chat.api import ChatResult, ChatRuntime, ToolChoice
     from agentspec.chat.templates import render_prompt
     from agentspec.drafters.lookup import PromptLookupDrafter
     from agentspec.drafters.suffix.config import SuffixConfig
@@ -35,9 +36,9 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
         UnknownSessionError,
     )
     from agentspec.factory import build_drafter, build_engine
-    from agentspec.interfaces import ChatRuntime, Drafter, Target, Verifier
+    from agentspec.interfaces import Drafter, Target, TurnStore, Verifier
     from agentspec.models import EMBEDDED_MODEL, resolve_model
-    from agentspec.runtime import ChatResult, Runtime, ToolChoice
+    from agentspec.runtime import Runtime
     from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
     from agentspec.storage.sessions import SessionStore, StoreConfig, open_store
     from agentspec.targets.hf import HFTarget, TargetConfig
@@ -54,8 +55,6 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "Runtime": "agentspec.runtime",
-    "ChatResult": "agentspec.runtime",
-    "ToolChoice": "agentspec.runtime",
     "AgentSpec": "agentspec.spec",
     "DraftingPolicy": "agentspec.spec",
     "VerifierPolicy": "agentspec.spec",
@@ -82,7 +81,10 @@ _EXPORTS: dict[str, str] = {
     "Target": "agentspec.interfaces",
     "Drafter": "agentspec.interfaces",
     "Verifier": "agentspec.interfaces",
-    "ChatRuntime": "agentspec.interfaces",
+    "TurnStore": "agentspec.interfaces",
+    "ChatResult": "agentspec.chat.api",
+    "ChatRuntime": "agentspec.chat.api",
+    "ToolChoice": "agentspec.chat.api",
     "HFTarget": "agentspec.targets.hf",
     "TargetConfig": "agentspec.targets.hf",
     "build_drafter": "agentspec.factory",
@@ -139,6 +141,7 @@ __all__ = [
     "TargetConfig",
     "ToolChoice",
     "TrainingDataError",
+    "TurnStore",
     "UnknownSessionError",
     "Verifier",
     "VerifierPolicy",

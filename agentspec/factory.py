@@ -20,13 +20,13 @@ Every field of the spec that is accepted is read here:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
 from agentspec.drafters.multi import IIDDrafts
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.interfaces import BatchTarget, Drafter, Verifier
+from agentspec.interfaces import BatchTarget, Drafter, Target, TurnStore, Verifier
 from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.spec import AgentSpec
 from agentspec.verifiers import MultiDraftVerifier, build_verifier
@@ -45,13 +45,13 @@ def suffix_config(spec: AgentSpec) -> SuffixConfig:
     return SuffixConfig(scope=d.scope, max_tokens=d.max_draft, tree=spec.tree_drafts)
 
 
-def suffix_drafter(spec: AgentSpec, store: Any | None = None) -> SuffixDrafter:
+def suffix_drafter(spec: AgentSpec, store: TurnStore | None = None) -> SuffixDrafter:
     """The session-cache drafter of ``spec``'s drafting policy, persisting to ``store``."""
     return SuffixDrafter(suffix_config(spec), store=store)
 
 
 def build_drafter(
-    spec: AgentSpec, target: Any | None = None, store: Any | None = None
+    spec: AgentSpec, target: Target | None = None, store: TurnStore | None = None
 ) -> Drafter | None:
     """The drafter ``spec`` asks for (``None`` for ``method="none"``).
 
@@ -100,7 +100,7 @@ def engine_config(spec: AgentSpec) -> EngineConfig:
 
 def build_engine(
     spec: AgentSpec,
-    target: Any,
+    target: Target,
     drafter: Drafter | None,
     *,
     decode: Callable[[Sequence[int]], str] | None = None,

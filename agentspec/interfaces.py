@@ -12,9 +12,11 @@ Terms:
   hidden states) and :class:`RequestAware` (request-scoped state).
 * **verifier**: turns a draft and the target's logits into committed tokens
   (:class:`Verifier`).
-* **chat runtime**: a loaded model serving chat requests (:class:`ChatRuntime`); the
-  adapters (LangChain, the OpenAI-compatible server) type against it, and both
-  :class:`agentspec.runtime.Runtime` and the vLLM backend implement it.
+* **store**: where finished turns persist (:class:`TurnStore`); the runtime writes it,
+  the session cache reads it.
+
+The chat runtime's contract (:class:`agentspec.chat.api.ChatRuntime`) lives with the chat
+types it returns, above this module: contracts here import only :mod:`agentspec.types`.
 
 Tensor shapes use ``k`` for the number of draft tokens, ``K`` for the number of drafts (cache
 rows), ``V`` for the vocabulary size and ``H`` for the hidden size.
@@ -22,7 +24,7 @@ rows), ``V`` for the vocabulary size and ``H`` for the hidden size.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
@@ -30,12 +32,19 @@ from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, Ver
 if TYPE_CHECKING:
     import torch
 
-    from agentspec.runtime import ChatResult, ToolChoice
-    from agentspec.spec import AgentSpec
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What the faces read of a served model (reported to clients, keys of its artifacts)."""
+
+    @property
+    def name(self) -> str:
+        """The model's name (the embedded model's, or its folder's)."""
+        ...
 
 
 @runtime_checkable
-class Target(Protocol):
+class Target(ServedModel, Protocol):
     """The model being accelerated, holding a KV cache of the tokens fed so far."""
 
     @property
@@ -62,6 +71,22 @@ class Target(Protocol):
 
     def verify_cost(self, k: int) -> float:
         """Measured seconds of one forward over ``k`` new tokens, ``c(k)``."""
+        ...
+
+
+@runtime_checkable
+class ModelTarget(Target, Protocol):
+    """A target running an in-process transformers model: drafters built from its own
+    weights (the distilled drafter, an EAGLE head) and tokenizer-aware parts need it."""
+
+    @property
+    def model(self) -> Any:
+        """The transformers causal LM (eval mode)."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
         ...
 
 
@@ -227,56 +252,15 @@ class RequestAware(Protocol):
 
 
 @runtime_checkable
-class ChatRuntime(Protocol):
-    """A loaded model serving chat requests: what the adapters need from a runtime.
+class TurnStore(Protocol):
+    """Persistent storage of finished turns (implemented by
+    :class:`agentspec.storage.sessions.SessionStore`). The runtime appends every finished
+    turn; the session cache loads a session's turns when it first meets the session."""
 
-    :class:`agentspec.runtime.Runtime` (agentspec's engine) and
-    ``adapters.vllm.VLLMRuntime`` (a vLLM engine) both implement it, so the LangChain chat
-    model and the OpenAI-compatible server run on either.
-
-    Attributes:
-        target: The served model; ``target.name`` is reported to clients.
-        tokenizer: The model's tokenizer (chat template, decode).
-        store: The session store (``None``: no persistence in this process).
-        default_spec: The policy of requests that name no agent spec.
-        lock: Held while a request decodes (requests are served one at a time).
-    """
-
-    target: Any
-    tokenizer: Any
-    store: Any
-    default_spec: AgentSpec
-    lock: Any
-
-    def stream_chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        *,
-        tool_choice: ToolChoice = None,
-        session: SessionRef | None = None,
-        spec: AgentSpec | None = None,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: SamplingParams | None = None,
-        result: list[ChatResult] | None = None,
-        assistant_prefix: str = "",
-        response_format: Any = None,
-    ) -> Generator[str, None, None]:
-        """Yield text deltas of the answer; append the final result to ``result``.
-
-        ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
-        result's text start with it), before any call that ``tool_choice`` forces.
-        ``response_format`` (OpenAI's ``json_object`` / ``json_schema``) constrains the
-        answer to a grammar.
-        """
+    def load(self, ref: SessionRef) -> list[list[int]]:
+        """Token ids of every stored turn of ``ref``'s session, oldest first."""
         ...
 
-    def chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        """Complete a chat (the arguments of :meth:`stream_chat`)."""
+    def append_turn(self, ref: SessionRef, tokens: list[int]) -> None:
+        """Persist one finished turn (prompt + output) of ``ref``'s session."""
         ...

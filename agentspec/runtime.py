@@ -12,128 +12,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
-from agentspec.chat.templates import render_prompt
-from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
 from agentspec.engine import Generation, SpeculativeDecoder
-from agentspec.errors import ConfigError
 from agentspec.factory import build_drafter, build_engine
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tokens import eos_ids
-from agentspec.types import RequestStats, SamplingParams, SessionRef
+from agentspec.types import SamplingParams, SessionRef
 
 if TYPE_CHECKING:
-    from agentspec.interfaces import ChatRuntime
+    from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
-
-ToolChoice = str | dict[str, Any] | None
-
-
-@dataclass
-class ChatResult:
-    """One chat completion.
-
-    Attributes:
-        text: The raw generated text (tool-call markup included).
-        content: Text outside tool calls.
-        tool_calls: Well-formed calls to bound tools.
-        invalid_tool_calls: Calls the model got wrong (bad JSON, unknown tool, ...).
-        finish_reason: ``stop``, ``length`` or ``tool_calls``.
-        prompt_tokens: Tokens in the rendered prompt.
-        completion_tokens: Tokens generated.
-        stats: Speculative decoding numbers of the request.
-        tokens: Generated token ids.
-    """
-
-    text: str
-    content: str
-    tool_calls: list[ToolCall]
-    invalid_tool_calls: list[InvalidToolCall]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: RequestStats = field(default_factory=RequestStats)
-    tokens: list[int] = field(default_factory=list)
-
-
-    @classmethod
-    def build(
-        cls,
-        text: str,
-        tools: Sequence[dict[str, Any]] | None,
-        finish_reason: str,
-        prompt_tokens: int,
-        tokens: list[int],
-        stats: RequestStats,
-    ) -> ChatResult:
-        """Parse ``text`` (the whole answer, forced prefix included) into a result.
-
-        Tool calls are parsed against the bound tools' names; an answer that stopped on
-        its own with a well-formed call finishes with ``tool_calls``.
-        """
-        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
-        finish = finish_reason
-        if parsed.tool_calls and finish == "stop":
-            finish = "tool_calls"
-        return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
-                   prompt_tokens, len(tokens), stats, tokens)
-
-
-def chat_prompt_ids(
-    tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
-    tools: Sequence[dict[str, Any]] | None = None,
-    tool_choice: ToolChoice = None,
-    assistant_prefix: str = "",
-) -> tuple[list[int], str]:
-    """Rendered prompt token ids and the text that opens the assistant turn.
-
-    Args:
-        tokenizer: The model's tokenizer (chat template).
-        messages: Chat messages.
-        tools: Tool schemas rendered into the prompt (not with ``tool_choice="none"``).
-        tool_choice: Forces a tool call by writing its opening into the answer.
-        assistant_prefix: Text the caller puts at the start of the answer (e.g. a file's
-            opening fence), before any forced tool call.
-
-    Returns:
-        ``(ids, prefix)``: the prompt with the prefix's tokens appended, and the prefix.
-    """
-    use_tools = None if tool_choice == "none" else tools
-    ids = render_prompt(tokenizer, messages, use_tools)
-    prefix = assistant_prefix + forced_prefix(tool_choice, tools)
-    if prefix:
-        ids = ids + list(tokenizer.encode(prefix, add_special_tokens=False))
-    return ids, prefix
-
-
-def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
-    """Assistant text that forces a tool call (``""`` when nothing is forced).
-
-    ``"any"``/``"required"`` open a call and let the model pick the name; a named tool
-    (``"name"`` or ``{"type": "function", "function": {"name": ...}}``) writes the name too.
-    """
-    names = tool_names(list(tools or []))
-    if tool_choice in (None, "auto", "none"):
-        return ""
-    if tool_choice in ("any", "required"):
-        if not names:
-            raise ConfigError(f"tool_choice={tool_choice!r} needs at least one bound tool")
-        return '<tool_call>{"name": "'
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if isinstance(tool_choice, str) and tool_choice in names:
-        return '<tool_call>{"name": "' + tool_choice + '", "arguments": '
-    raise ConfigError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
-
 
 class Runtime:
     """A loaded model plus the drafters, verifiers and store that serve it.

@@ -43,8 +43,8 @@ from adapters.langchain.structured import (
     structured_runnable,
     token_limit,
 )
+from agentspec.chat.api import ChatRuntime
 from agentspec.errors import ConfigError
-from agentspec.interfaces import ChatRuntime
 from agentspec.models import EMBEDDED_MODEL
 from agentspec.spec import AgentSpec
 from agentspec.types import SessionRef, check_id

@@ -2,7 +2,7 @@
 
 :class:`ChatRequest` is everything a call resolved (runtime, rendered messages, tools,
 session, limits). The functions here run it — synchronously, or in a worker thread feeding
-an ``asyncio`` queue — and turn the runtime's :class:`~agentspec.runtime.ChatResult` into an
+an ``asyncio`` queue — and turn the runtime's :class:`~agentspec.chat.api.ChatResult` into an
 ``AIMessage`` (or a stream of ``AIMessageChunk`` s) with ``usage_metadata`` and
 ``response_metadata``: model name, finish reason and the speculative decoding numbers
 (accepted-length histogram, target forwards per 1,000 tokens, drafter wins).
@@ -25,9 +25,8 @@ from langchain_core.outputs import ChatGenerationChunk
 from langchain_core.runnables import RunnableConfig, ensure_config
 
 from adapters.langchain.messages import VisibleText, to_langchain_tool_calls
+from agentspec.chat.api import ChatResult, ChatRuntime
 from agentspec.errors import AgentSpecError, StoreBusyError
-from agentspec.interfaces import ChatRuntime
-from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec
 from agentspec.types import SessionRef, check_id
 
@@ -41,7 +40,7 @@ class ChatRequest:
     """A resolved chat call.
 
     Attributes:
-        runtime: The :class:`~agentspec.interfaces.ChatRuntime` that decodes (agentspec's
+        runtime: The :class:`~agentspec.chat.api.ChatRuntime` that decodes (agentspec's
             Runtime, the vLLM backend).
         messages: Rendered-ready dict messages.
         tools: OpenAI tool schemas, or ``None`` when no tools are offered.

@@ -16,7 +16,7 @@ from adapters.openai_server.config import ServerConfig, check_bind, is_loopback
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from agentspec.interfaces import ChatRuntime
+    from agentspec.chat.api import ChatRuntime
 
 __all__ = ["KeyRing", "ServerConfig", "check_bind", "create_app", "is_loopback", "load_keys"]
 

@@ -42,7 +42,7 @@ from adapters.openai_server.params import check_params
 from adapters.openai_server.schemas import ChatCompletionRequest, ModelList, now, wire
 from adapters.openai_server.service import ChatService, Generation, Job, build_job
 from adapters.openai_server.validation import check_conversation, parse_json
-from agentspec.interfaces import ChatRuntime
+from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     """Build the server application around a loaded runtime.
 
     Args:
-        runtime: A :class:`~agentspec.interfaces.ChatRuntime` (agentspec's Runtime, the
+        runtime: A :class:`~agentspec.chat.api.ChatRuntime` (agentspec's Runtime, the
             vLLM backend; tests pass fakes with ``stream_chat``, ``default_spec`` and
             ``target.name``).
         config: Keys, limits and served model names (defaults: local-only mode).
@@ -112,7 +112,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         ``metrics`` and ``service``.
     """
     config = config or ServerConfig()
-    model_name = config.model_name or str(getattr(runtime.target, "name", "agentspec"))
+    model_name = config.model_name or runtime.target.name
     served = [model_name, *config.aliases]
     metrics = Metrics(model_name)
     service = ChatService(runtime.stream_chat, config, metrics)

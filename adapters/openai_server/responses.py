@@ -41,7 +41,7 @@ from adapters.openai_server.schemas import (
     completion_id,
     now,
 )
-from agentspec.runtime import ChatResult
+from agentspec.chat.api import ChatResult
 
 TOOL_TAG = "<tool_call>"
 SEP = "\n"  # OpenAI ends SSE lines with "\n" (sse-starlette's default is "\r\n")

@@ -34,7 +34,7 @@ from adapters.openai_server.errors import bad_request, overloaded, shutting_down
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.params import check_structured
 from adapters.openai_server.schemas import ChatCompletionRequest
-from agentspec.runtime import ChatResult
+from agentspec.chat.api import ChatResult
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.types import SessionRef, check_id
 

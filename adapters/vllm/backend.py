@@ -33,14 +33,14 @@ from adapters.vllm.request_ids import encode_request_id
 from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from adapters.vllm.structured import structured_output_kwargs
+from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.errors import ConfigError
-from agentspec.runtime import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.spec import AgentSpec
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
 
 if TYPE_CHECKING:
-    from agentspec.interfaces import ChatRuntime
+    from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
 

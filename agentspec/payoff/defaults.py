@@ -15,7 +15,7 @@ from typing import Any
 from agentspec.drafters.hybrid import HybridDrafter
 from agentspec.drafters.suffix.drafter import SuffixDrafter
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.interfaces import Drafter
+from agentspec.interfaces import Drafter, Target
 from agentspec.payoff.features import TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
 from agentspec.payoff.predictor import PayoffPredictor, PredictorError, tokenizer_fingerprint
@@ -32,7 +32,11 @@ class DrafterUnavailableError(AgentSpecError):
 
 
 def token_table(target: Any) -> TokenTable:
-    """The character-class table of ``target``'s vocabulary (built once per tokenizer)."""
+    """The character-class table of ``target``'s vocabulary (built once per tokenizer).
+
+    ``target`` is a :class:`~agentspec.interfaces.Target` or any object with ``vocab_size``
+    and an optional ``tokenizer`` (the vLLM adapter describes its served model so).
+    """
     tok = getattr(target, "tokenizer", None)
     key = id(tok) if tok is not None else -int(target.vocab_size)
     with _lock:
@@ -43,7 +47,8 @@ def token_table(target: Any) -> TokenTable:
 
 
 def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
-    """The predictor at ``path`` (default: the shipped one), checked against ``target``.
+    """The predictor at ``path`` (default: the shipped one), checked against ``target``
+    (as in :func:`token_table`: a target, or anything with ``vocab_size`` and ``tokenizer``).
 
     Raises:
         PredictorError: missing/malformed file, or trained for another vocabulary or
@@ -67,7 +72,7 @@ def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
     return pred
 
 
-def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 6) -> Drafter:
+def load_model_drafter(target: Target, model: str | None = None, max_tokens: int = 6) -> Drafter:
     """The model drafter: ``model`` (a causal LM folder / embedded name) when given, else
     the trained EAGLE head for ``target`` (``agentspec.drafters.model.eagle``), else the
     distilled drafter (``agentspec.drafters.model.distilled``).
@@ -83,7 +88,7 @@ def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 
                                  vocab_size=target.vocab_size)
     from agentspec.drafters.model.eagle import EagleConfig, eagle_path, load_eagle
 
-    path = eagle_path(str(getattr(target, "name", "?")))
+    path = eagle_path(target.name)
     if path is not None:
         try:
             return load_eagle(target, path, EagleConfig(max_tokens=max_tokens))
@@ -107,7 +112,9 @@ def load_model_drafter(target: Any, model: str | None = None, max_tokens: int = 
     return drafter
 
 
-def make_policy(name: str, target: Any, predictor: PayoffPredictor | None = None) -> SourcePolicy:
+def make_policy(
+    name: str, target: Target, predictor: PayoffPredictor | None = None
+) -> SourcePolicy:
     """Build a source policy by name (``cost_aware``, ``threshold`` or ``arctic_rule``).
 
     Raises:
@@ -124,7 +131,7 @@ def make_policy(name: str, target: Any, predictor: PayoffPredictor | None = None
 
 
 def build_hybrid(
-    target: Any,
+    target: Target,
     policy: str = "cost_aware",
     cache: Drafter | None = None,
     model: Drafter | None = None,

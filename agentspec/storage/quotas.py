@@ -12,19 +12,30 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from agentspec.storage.sessions import StoreConfig
+__all__ = ["Quotas", "evict"]
 
-__all__ = ["evict"]
+
+class Quotas(Protocol):
+    """The limits :func:`evict` enforces (:class:`agentspec.storage.sessions.StoreConfig`
+    holds them; typed here so the quota rule does not import the store that calls it)."""
+
+    @property
+    def max_sessions(self) -> int: ...
+
+    @property
+    def max_sessions_per_tenant(self) -> int | None: ...
+
+    @property
+    def max_tokens_per_tenant(self) -> int | None: ...
 
 _LRU = "SELECT id, tokens FROM sessions WHERE tenant=? AND id != ? ORDER BY last_used, id"
 
 
 def evict(
     conn: sqlite3.Connection,
-    cfg: StoreConfig,
+    cfg: Quotas,
     keep: int,
     tenant: str,
     drop: Callable[[sqlite3.Connection, list[int]], None],

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentspec.errors import TrainingDataError
+from agentspec.interfaces import ModelTarget
 from agentspec.payoff.predictor import tokenizer_fingerprint
 
 FORMAT = "agentspec-traces/1"
@@ -239,7 +240,7 @@ class SessionSource(Protocol):
 
 
 def generate_traces(
-    target: Any,
+    target: ModelTarget,
     spec: TraceSpec,
     sessions: Sequence[Sequence[tuple[str, Any]]],
     progress: bool = True,
@@ -260,8 +261,8 @@ def generate_traces(
     """
     from tqdm import tqdm
 
+    from agentspec.chat.api import chat_prompt_ids
     from agentspec.factory import build_drafter, build_engine
-    from agentspec.runtime import chat_prompt_ids
     from agentspec.spec import AgentSpec, DraftingPolicy
     from agentspec.tokens import eos_ids
     from agentspec.types import SessionRef

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from agentspec.chat.api import ChatResult
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import ConfigError, PromptTooLongError
-from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec
 from agentspec.types import RequestStats, SessionRef, StepStats
 

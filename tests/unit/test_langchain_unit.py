@@ -33,10 +33,10 @@ from adapters.langchain import (
 )
 from adapters.langchain import runtimes as runtimes_mod
 from adapters.langchain.messages import VisibleText
+from agentspec.chat.api import ChatResult
 from agentspec.chat.templates import normalise_messages
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import AgentSpecError, ConfigError, StoreBusyError
-from agentspec.runtime import ChatResult
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.types import RequestStats, StepStats
 

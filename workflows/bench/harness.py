@@ -8,14 +8,12 @@ first: its outputs are the reference for ``identical_to_greedy`` and the oracle'
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,17 +29,7 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import RequestStats, SessionRef
 from workflows.bench.methods import MethodContext, build_method
 from workflows.bench.repetition import loop_share
-from workflows.workloads.base import Workload
-
-# name -> "module:Class"; imported lazily so a missing optional workload fails alone.
-WORKLOADS: dict[str, str] = {
-    "smoke": "workflows.workloads.smoke:SmokeWorkload",
-    "delegate52": "workflows.workloads.delegate52:Delegate52Workload",
-    "editeval": "workflows.workloads.instructedit:InstructEditWorkload",
-    "tool_agent": "workflows.workloads.tool_agent:ToolAgentWorkload",
-    "chat": "workflows.workloads.open_chat:ChatWorkload",
-}
-
+from workflows.workloads.registry import WORKLOADS, load_workload
 
 QUICK_MAX_TOKENS = 160  # per-request cap under --quick
 
@@ -86,27 +74,6 @@ class BenchConfig:
         if self.quick:
             self.limit = min(self.limit or 2, 2)
             self.turns = min(self.turns, 2)
-
-
-def load_workload(name: str, data_dir: str | None, **options: Any) -> Workload:
-    """Instantiate workload ``name``.
-
-    Args:
-        name: A key of :data:`WORKLOADS`.
-        data_dir: Data folder for the workloads that read files.
-        **options: Workload-specific keyword arguments (e.g. ``prompt_style`` of
-            ``delegate52``), passed only to the workloads that accept them.
-
-    Raises:
-        BenchmarkError: unknown workload.
-    """
-    if name not in WORKLOADS:
-        raise BenchmarkError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    module, cls = WORKLOADS[name].split(":")
-    factory: Callable[..., Workload] = getattr(importlib.import_module(module), cls)
-    params = inspect.signature(factory).parameters
-    kwargs = {k: v for k, v in {"data_dir": data_dir, **options}.items() if k in params}
-    return factory(**kwargs)
 
 
 def check_names(methods: list[str], workloads: list[str]) -> None:

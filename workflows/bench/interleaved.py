@@ -35,8 +35,9 @@ from agentspec.engine import EngineConfig
 from agentspec.errors import BenchmarkError
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import RequestStats, SessionRef
-from workflows.bench.harness import _warm_up, check_names, load_workload
+from workflows.bench.harness import _warm_up, check_names
 from workflows.bench.methods import MethodContext, build_method
+from workflows.workloads.registry import load_workload
 
 DEFAULT_MIX = "delegate52:5x4,tool_agent:3x2,chat:3x2"
 

@@ -52,7 +52,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Start one engine, replay every session, return per-turn records (this process)."""
     from adapters.vllm.backend import EngineSettings, VLLMRuntime
     from agentspec.spec import AgentSpec, DraftingPolicy
-    from workflows.bench.harness import load_workload
+    from workflows.workloads.registry import load_workload
 
     method, proposer, payoff = CONFIGS[name]
     spec = AgentSpec(drafting=DraftingPolicy(method=method, max_draft=args.max_draft))  # type: ignore[arg-type]
@@ -94,7 +94,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _sequential_turns(rt: Any, args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
     """One request at a time, sessions one after the other."""
-    from workflows.bench.harness import load_workload
+    from workflows.workloads.registry import load_workload
 
     turns: list[dict[str, Any]] = []
     for wl_name in args.workloads:

@@ -26,9 +26,9 @@ from typing import Any
 
 from agentspec.errors import TrainingDataError
 from agentspec.training.payoff_traces import TraceSpec
-from workflows.bench.harness import load_workload
 from workflows.workloads.datasets import data_dir, load_delegate52, load_editeval
 from workflows.workloads.open_chat import PROMPTS
+from workflows.workloads.registry import load_workload
 
 __all__ = [
     "WORKLOAD_DOCUMENTS",

@@ -38,6 +38,7 @@ import torch
 
 from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.interfaces import ModelTarget, Target
 from agentspec.sampling import request_key
 from agentspec.types import Draft, DraftContext
 
@@ -314,13 +315,14 @@ def read_artifact(path: Path) -> tuple[DraftSpec, dict[str, torch.Tensor]]:
 
 
 def load_distilled_drafter(
-    target: Any, path: str | Path, config: ModelDrafterConfig | None = None,
+    target: Target, path: str | Path, config: ModelDrafterConfig | None = None,
     stop_below: float = 0.0,
 ) -> DistilledDrafter:
     """Build the drafter of artifact ``path`` from the in-process ``target``.
 
     Args:
-        target: An :class:`~agentspec.targets.hf.HFTarget` (anything with ``.model``).
+        target: A :class:`~agentspec.interfaces.ModelTarget` (e.g. an
+            :class:`~agentspec.targets.hf.HFTarget`).
         path: The ``.safetensors`` artifact written by ``agentspec train-drafter``.
         config: Draft length and sampling.
         stop_below: See :class:`DistilledDrafter`.
@@ -333,16 +335,16 @@ def load_distilled_drafter(
     if not path.is_file():
         raise ModelLoadError(f"drafter artifact {path} does not exist; "
                              "train one with `agentspec train-drafter`")
-    model = getattr(target, "model", None)
-    if model is None:
+    if not isinstance(target, ModelTarget) or target.model is None:
         raise ConfigError(f"{type(target).__name__} holds no in-process transformers model; "
                           "the distilled drafter is built from the target's own weights")
+    model = target.model
     spec, tensors = read_artifact(path)
     checksum = embedding_checksum(model)
     if abs(checksum - spec.checksum) > 1e-3 * max(1.0, abs(spec.checksum)):
         raise ModelLoadError(
             f"{path} was distilled from {spec.target_name!r}, not from this target "
-            f"{getattr(target, 'name', '?')!r} (embedding checksum {checksum:.4f} != "
+            f"{target.name!r} (embedding checksum {checksum:.4f} != "
             f"{spec.checksum:.4f}); train a drafter for it with `agentspec train-drafter`"
         )
     draft = build_draft_model(model, spec)
@@ -353,14 +355,14 @@ def load_distilled_drafter(
 
 
 def load_default_drafter(
-    target: Any, config: ModelDrafterConfig | None = None, stop_below: float = 0.0
+    target: Target, config: ModelDrafterConfig | None = None, stop_below: float = 0.0
 ) -> DistilledDrafter:
     """The trained default drafter for ``target`` (the embedded model ships one).
 
     Raises:
         ModelLoadError: no artifact for this target; the message says how to build one.
     """
-    name = str(getattr(target, "name", "?"))
+    name = target.name
     path = default_drafter_path(name)
     if path is None:
         from agentspec.models import agentspec_home

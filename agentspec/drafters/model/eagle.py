@@ -42,6 +42,7 @@ import torch
 
 from agentspec.drafters.model.eagle_head import EagleHead, HeadCache, HeadSpec
 from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.interfaces import ModelTarget, Target
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
@@ -197,18 +198,17 @@ def save_eagle(path: Path, head: EagleHead) -> None:
     tmp.replace(path)
 
 
-def load_eagle(target: Any, path: str | Path, config: EagleConfig | None = None) -> EagleDrafter:
+def load_eagle(target: Target, path: str | Path, config: EagleConfig | None = None) -> EagleDrafter:
     """Build the drafter of artifact ``path`` on the in-process ``target``.
 
     Raises:
         ModelLoadError: missing or damaged file, or trained for a different target.
         ConfigError: the target holds no in-process transformers model.
     """
-    model = getattr(target, "model", None)
-    if model is None:
+    if not isinstance(target, ModelTarget) or target.model is None:
         raise ConfigError(f"{type(target).__name__} holds no in-process transformers model; "
                           "the EAGLE drafter needs the target's weights and hidden states")
-    return EagleDrafter(read_head(model, path), config)
+    return EagleDrafter(read_head(target.model, path), config)
 
 
 def read_head(model: Any, path: str | Path) -> EagleHead:
@@ -259,13 +259,13 @@ def build_head(model: Any, spec: HeadSpec) -> EagleHead:
     return EagleHead(spec, embed, out)
 
 
-def load_default_eagle(target: Any, config: EagleConfig | None = None) -> EagleDrafter:
+def load_default_eagle(target: Target, config: EagleConfig | None = None) -> EagleDrafter:
     """The trained EAGLE head for ``target`` (the embedded model ships one).
 
     Raises:
         ModelLoadError: no artifact for this target; the message says how to build one.
     """
-    name = str(getattr(target, "name", "?"))
+    name = target.name
     path = eagle_path(name)
     if path is None:
         raise ModelLoadError(f"no EAGLE head for target {name!r}; build it with "

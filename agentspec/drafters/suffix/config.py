@@ -1,27 +1,13 @@
-"""Settings of the session cache and the store protocol it persists turns through."""
+"""Settings of the session cache."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 from agentspec.drafters.suffix.index import BACKENDS
 from agentspec.drafters.suffix.levels import SCOPES
 from agentspec.errors import ConfigError
-from agentspec.types import SessionRef
-
-
-class TurnStore(Protocol):
-    """Persistent storage of finished turns (implemented by ``agentspec.storage.sessions``)."""
-
-    def load(self, ref: SessionRef) -> list[list[int]]:
-        """Token ids of every stored turn of ``ref``'s session, oldest first."""
-        ...
-
-    def append_turn(self, ref: SessionRef, tokens: list[int]) -> None:
-        """Persist one finished turn (prompt + output) of ``ref``'s session."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from agentspec.drafters.suffix.config import SuffixConfig, TurnStore
+from agentspec.drafters.suffix.config import SuffixConfig
 from agentspec.drafters.suffix.draft_tree import merge_trees
 from agentspec.drafters.suffix.index import (
     Speculation,
@@ -61,6 +61,7 @@ from agentspec.drafters.suffix.levels import (
     visible_keys,
 )
 from agentspec.errors import AgentSpecError
+from agentspec.interfaces import TurnStore
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "novel_start", "scope_key",

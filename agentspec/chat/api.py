@@ -1,0 +1,194 @@
+"""What the faces (LangChain, the OpenAI-compatible server) program against: the chat
+runtime's contract, the result of one chat completion and the prompt of one request.
+
+:class:`ChatRuntime` is implemented by :class:`agentspec.runtime.Runtime` (agentspec's
+engine) and ``adapters.vllm.VLLMRuntime`` (a vLLM engine); :class:`ChatResult` is what
+both return, :func:`chat_prompt_ids` how both render a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from agentspec.chat.templates import render_prompt
+from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
+from agentspec.errors import ConfigError
+from agentspec.interfaces import ServedModel, TurnStore
+from agentspec.spec import AgentSpec
+from agentspec.types import RequestStats, SamplingParams, SessionRef
+
+__all__ = ["ChatResult", "ChatRuntime", "ToolChoice", "chat_prompt_ids", "forced_prefix"]
+
+ToolChoice = str | dict[str, Any] | None
+
+
+@dataclass
+class ChatResult:
+    """One chat completion.
+
+    Attributes:
+        text: The raw generated text (tool-call markup included).
+        content: Text outside tool calls.
+        tool_calls: Well-formed calls to bound tools.
+        invalid_tool_calls: Calls the model got wrong (bad JSON, unknown tool, ...).
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        prompt_tokens: Tokens in the rendered prompt.
+        completion_tokens: Tokens generated.
+        stats: Speculative decoding numbers of the request.
+        tokens: Generated token ids.
+    """
+
+    text: str
+    content: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestStats = field(default_factory=RequestStats)
+    tokens: list[int] = field(default_factory=list)
+
+
+    @classmethod
+    def build(
+        cls,
+        text: str,
+        tools: Sequence[dict[str, Any]] | None,
+        finish_reason: str,
+        prompt_tokens: int,
+        tokens: list[int],
+        stats: RequestStats,
+    ) -> ChatResult:
+        """Parse ``text`` (the whole answer, forced prefix included) into a result.
+
+        Tool calls are parsed against the bound tools' names; an answer that stopped on
+        its own with a well-formed call finishes with ``tool_calls``.
+        """
+        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
+        finish = finish_reason
+        if parsed.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
+                   prompt_tokens, len(tokens), stats, tokens)
+
+
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    tool_choice: ToolChoice = None,
+    assistant_prefix: str = "",
+) -> tuple[list[int], str]:
+    """Rendered prompt token ids and the text that opens the assistant turn.
+
+    Args:
+        tokenizer: The model's tokenizer (chat template).
+        messages: Chat messages.
+        tools: Tool schemas rendered into the prompt (not with ``tool_choice="none"``).
+        tool_choice: Forces a tool call by writing its opening into the answer.
+        assistant_prefix: Text the caller puts at the start of the answer (e.g. a file's
+            opening fence), before any forced tool call.
+
+    Returns:
+        ``(ids, prefix)``: the prompt with the prefix's tokens appended, and the prefix.
+    """
+    use_tools = None if tool_choice == "none" else tools
+    ids = render_prompt(tokenizer, messages, use_tools)
+    prefix = assistant_prefix + forced_prefix(tool_choice, tools)
+    if prefix:
+        ids = ids + list(tokenizer.encode(prefix, add_special_tokens=False))
+    return ids, prefix
+
+
+def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
+    """Assistant text that forces a tool call (``""`` when nothing is forced).
+
+    ``"any"``/``"required"`` open a call and let the model pick the name; a named tool
+    (``"name"`` or ``{"type": "function", "function": {"name": ...}}``) writes the name too.
+    """
+    names = tool_names(list(tools or []))
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    if tool_choice in ("any", "required"):
+        if not names:
+            raise ConfigError(f"tool_choice={tool_choice!r} needs at least one bound tool")
+        return '<tool_call>{"name": "'
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if isinstance(tool_choice, str) and tool_choice in names:
+        return '<tool_call>{"name": "' + tool_choice + '", "arguments": '
+    raise ConfigError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
+
+
+@runtime_checkable
+class ChatRuntime(Protocol):
+    """A loaded model serving chat requests: what the adapters need from a runtime.
+
+    :class:`agentspec.runtime.Runtime` (agentspec's engine) and
+    ``adapters.vllm.VLLMRuntime`` (a vLLM engine) both implement it, so the LangChain chat
+    model and the OpenAI-compatible server run on either.
+
+    The attributes are read-only here (properties), so an implementation may hold any
+    subtype (``Runtime.target`` is an :class:`~agentspec.targets.hf.HFTarget`).
+    """
+
+    @property
+    def target(self) -> ServedModel:
+        """The served model; its ``name`` is reported to clients."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (chat template, decode)."""
+        ...
+
+    @property
+    def store(self) -> TurnStore | None:
+        """The session store (``None``: no persistence in this process)."""
+        ...
+
+    @property
+    def default_spec(self) -> AgentSpec:
+        """The policy of requests that name no agent spec."""
+        ...
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """Held while a request decodes (requests are served one at a time)."""
+        ...
+
+    def stream_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        tool_choice: ToolChoice = None,
+        session: SessionRef | None = None,
+        spec: AgentSpec | None = None,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampling: SamplingParams | None = None,
+        result: list[ChatResult] | None = None,
+        assistant_prefix: str = "",
+        response_format: Any = None,
+    ) -> Generator[str, None, None]:
+        """Yield text deltas of the answer; append the final result to ``result``.
+
+        ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
+        result's text start with it), before any call that ``tool_choice`` forces.
+        ``response_format`` (OpenAI's ``json_object`` / ``json_schema``) constrains the
+        answer to a grammar.
+        """
+        ...
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """Complete a chat (the arguments of :meth:`stream_chat`)."""
+        ...
