@@ -192,7 +192,6 @@ class SpeculativeDecoder:
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
         self.config = config or EngineConfig()
-        self._constraint: Constraint | None = None
 
     def generate(
         self,
@@ -286,7 +285,6 @@ class SpeculativeDecoder:
         self.check_request(prompt, max_tokens)
         if constraint is not None and not self.supports_constraints:
             raise ConfigError(f"{type(self).__name__} cannot decode under a grammar constraint")
-        self._constraint = constraint
         rng = self._request_rng(sampling)
         # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
         # draws, which must come from the request's generator (same seed, same output).
@@ -316,7 +314,7 @@ class SpeculativeDecoder:
                                sampling)
             room = max_tokens - len(generated) - 1  # the verifier always adds one token
             t0 = time.perf_counter()
-            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng)
+            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng, constraint)
             result = step.result
             if link is not None:  # pending + accepted rows: the positions now committed
                 rows = link[1]()  # [k+1, H]
@@ -359,16 +357,19 @@ class SpeculativeDecoder:
 
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
-        rng: torch.Generator | None,
+        rng: torch.Generator | None, grammar: Constraint | None = None,
     ) -> Step:
-        """Draft, score and verify one step; leave the cache holding pending + accepted."""
+        """Draft, score and verify one step; leave the cache holding pending + accepted.
+
+        Everything request-scoped (``sampling``, ``rng``, the ``grammar``) comes in as an
+        argument: the engine holds no request's state between calls.
+        """
         t0 = time.perf_counter()
         # Row 0 of the verify logits predicts output position len(generated): keyed
         # (seeded) verification draws each row's noise by its position.
         draft = replace(self._propose(ctx, max_draft), position=len(ctx.generated))
         draft_s = time.perf_counter() - t0
         pending = ctx.tokens[-1]
-        grammar = self._constraint
         if grammar is not None:  # cut at the first forbidden token; trees -> one branch
             draft = grammar.prepare(draft)
         if draft.is_tree and not self._tree_ok(sampling):

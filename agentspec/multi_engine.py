@@ -25,7 +25,13 @@ import torch
 
 from agentspec.engine import Decode, EngineConfig, SpeculativeDecoder, Step
 from agentspec.errors import ConfigError
-from agentspec.interfaces import BatchTarget, FeatureDrafter, FeatureTarget, MultiDrafter
+from agentspec.interfaces import (
+    BatchTarget,
+    Constraint,
+    FeatureDrafter,
+    FeatureTarget,
+    MultiDrafter,
+)
 from agentspec.sampling import default_generator
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from agentspec.verifiers.keyed import KeyedVerifier
@@ -92,9 +98,10 @@ class MultiDraftDecoder(SpeculativeDecoder):
 
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
-        rng: torch.Generator | None,
+        rng: torch.Generator | None, grammar: Constraint | None = None,
     ) -> Step:
-        """K drafts, one batched forward, one verification (see the module docstring)."""
+        """K drafts, one batched forward, one verification (see the module docstring);
+        ``grammar`` is always ``None`` here (``supports_constraints`` is False)."""
         assert rng is not None  # _request_rng always makes one
         t0 = time.perf_counter()
         position = len(ctx.generated)  # output position of verify-logits row 0

@@ -4,7 +4,8 @@ Both faces (the LangChain chat model and the OpenAI-compatible server) go throug
 :class:`Runtime`: it renders messages and tools with the chat template, picks the drafter
 and verifier from the agent's :class:`~agentspec.spec.AgentSpec`, runs the engine under a
 lock (the target holds one KV cache, so requests are served one at a time, in arrival
-order), parses tool calls and persists each finished turn in the session store.
+order), parses tool calls and persists each finished turn of a session in the session
+store, whichever drafter decoded it (drafters only read the store).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine
-from agentspec.interfaces import Drafter
+from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.storage.sessions import persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
@@ -41,7 +43,8 @@ class Runtime:
     """
 
     def __init__(
-        self, target: HFTarget, store: Any | None = None, default_spec: AgentSpec | None = None
+        self, target: HFTarget, store: TurnStore | None = None,
+        default_spec: AgentSpec | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
@@ -51,6 +54,7 @@ class Runtime:
         self._drafters: dict[tuple[DraftingPolicy, bool], Drafter | None] = {}
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
+        self.store_errors = 0  # finished turns that could not be persisted (logged)
 
     @classmethod
     def load(
@@ -176,7 +180,14 @@ class Runtime:
             done: list[Generation] = []
             yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done,
                                      constraint=constraint)
-        gen = done[0]
+            gen = done[0]
+            # The runtime owns persistence: every finished turn of a session is stored,
+            # whichever drafter decoded it (none, prompt lookup, the session cache, ...).
+            # Under the lock, after the drafter's finish: a session cache meeting the
+            # session for the first time has loaded its stored turns without this one.
+            if (session is not None and self.store is not None
+                    and not persist_turn(self.store, session, [*prompt, *gen.tokens])):
+                self.store_errors += 1
         if result is not None:
             result.append(ChatResult.build(
                 prefix + gen.text, tools, gen.finish_reason, len(prompt), gen.tokens, gen.stats

@@ -119,6 +119,14 @@ class DraftContext:
         """The tokens generated so far in this request."""
         return self.tokens[self.prompt_len :]
 
+    @property
+    def state_key(self) -> tuple[str, str | SessionRef | None]:
+        """The key every drafter keeps this request's state under: its id when the caller
+        set one, else its session (one request at a time per session)."""
+        if self.request_id is not None:
+            return ("id", self.request_id)
+        return ("session", self.session)
+
 
 def first_branch_nodes(parents: Sequence[int]) -> list[int]:
     """The main branch of a tree given by ``parents`` (parents before children): from the

@@ -64,7 +64,9 @@ from adapters.vllm.request_ids import decode_request_id
 from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
 from agentspec.errors import ConfigError
 from agentspec.factory import suffix_config
+from agentspec.interfaces import TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.storage.sessions import persist_turn
 from agentspec.types import DraftContext, SessionRef
 
 log = logging.getLogger(__name__)
@@ -181,7 +183,8 @@ class AgentSpecProposer:
             ``AGENTSPEC_VLLM_STORE``.
     """
 
-    def __init__(self, vllm_config: Any, runner: Any | None = None, store: Any = None) -> None:
+    def __init__(self, vllm_config: Any, runner: Any | None = None,
+                 store: TurnStore | None = None) -> None:
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -190,6 +193,7 @@ class AgentSpecProposer:
             from agentspec.storage.sessions import SessionStore
 
             store = SessionStore.open_or_recover(os.environ[ENV_STORE])
+        self.store = store
         self.drafter = SuffixDrafter(config, store=store)
         self.gate = PayoffGate.from_env(vllm_config)
         self.runner = runner if runner is not None else _find_runner()
@@ -357,4 +361,8 @@ class AgentSpecProposer:
             return
         self.drafter.finish(DraftContext(live.tokens, live.prompt_len, live.ref, live.step,
                                          live.rid))
+        # The proposer owns the request lifecycle on vLLM: it persists the finished turn
+        # (the drafter only reads the store), after the drafter's finish as the runtime does.
+        if self.store is not None:
+            persist_turn(self.store, live.ref, live.tokens)
         self.stats.finished += 1

@@ -17,8 +17,12 @@ EAGLE model drafter also receives the target's features of every committed posit
 Policy state is per tenant: the cost-aware policy learns acceptance rates, model cost and
 its calibration from the traffic it sees, and one tenant's traffic must not move another's
 estimates. With a ``policy_factory`` the drafter keeps one policy per tenant (made on the
-tenant's first request, at most ``max_tenants`` kept, least recently used dropped) and
-switches to the request's tenant in :meth:`HybridDrafter.begin_request`.
+tenant's first request, at most ``max_tenants`` kept, least recently used dropped).
+
+Request state (the step history the features read, the pending step, the cache drafts
+waiting for their label, the request's tenant policy) is kept per request, keyed by
+:attr:`~agentspec.types.DraftContext.state_key` like the session cache's: nothing on the
+instance is "the current request", so requests may interleave.
 
 Verification is untouched, so HVD is exactly as lossless as the verifier it runs under.
 """
@@ -28,7 +32,8 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.errors import ConfigError
@@ -42,6 +47,7 @@ __all__ = ["HybridDrafter"]
 
 _RECENT_KEEP = 16  # steps of (draft_len, accepted) kept for the features
 _SHADOW_KEEP = 64  # cache drafts waiting for their full-length label
+_MAX_REQUESTS = 256  # live requests kept (requests that never finish age out)
 
 
 def full_length_label(draft: Sequence[int], continuation: Sequence[int]) -> int | None:
@@ -50,6 +56,27 @@ def full_length_label(draft: Sequence[int], continuation: Sequence[int]) -> int 
     while the continuation is still shorter than that (the label is not known yet)."""
     m = common_prefix(draft, continuation)
     return m if m == len(draft) or m < len(continuation) else None
+
+
+@dataclass
+class _Request:
+    """One request's state.
+
+    Attributes:
+        policy: The policy of the request's tenant.
+        recent: ``(draft_len, accepted)`` of its latest steps (the features read them).
+        pending: ``(source, draft_len, draft_s)`` of the step drafted, not yet verified.
+        last_source: The previous step's source.
+        shadow: ``(start, full cache draft, raw ŷ, its score)`` of recent steps, labelled
+            from later tokens.
+    """
+
+    policy: SourcePolicy
+    recent: list[tuple[int, int]] = field(default_factory=list)
+    pending: tuple[str, int, float] | None = None
+    last_source: str = NONE
+    shadow: deque[tuple[int, tuple[int, ...], float, float]] = field(
+        default_factory=lambda: deque(maxlen=_SHADOW_KEEP))
 
 
 class HybridDrafter:
@@ -69,6 +96,8 @@ class HybridDrafter:
         max_tenants: Most per-tenant policies kept (least recently used are dropped).
 
     Attributes:
+        policy: The policy of requests without a session (and of every request without a
+            ``policy_factory``).
         wins: Steps won per source (``"cache"``, ``"model"``, ``"none"``) since creation.
         last_choice: The policy's latest :class:`~agentspec.payoff.policy.Choice`.
     """
@@ -98,39 +127,40 @@ class HybridDrafter:
         self.name = name
         self.policy_factory = policy_factory
         self.max_tenants = max_tenants
-        self._default_policy = policy
         self._policies: OrderedDict[str, SourcePolicy] = OrderedDict()  # tenant -> policy
+        self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
         self.last_choice: Any = None
-        self._recent: list[tuple[int, int]] = []  # (draft_len, accepted) of this request
-        self._pending: tuple[str, int, float] | None = None  # (source, draft_len, draft_s)
-        self._last_source = NONE  # the previous step's source, in this request
-        # (start, full cache draft, raw ŷ, its score) of recent steps: labelled from later
-        # tokens.
-        self._shadow: deque[tuple[int, tuple[int, ...], float, float]] = deque(
-            maxlen=_SHADOW_KEEP)
+
+    def _request(self, ctx: DraftContext) -> _Request:
+        """The state of ``ctx``'s request; a new one at its first step (or when unknown)."""
+        key = ctx.state_key
+        req = self._requests.get(key)
+        if req is None or ctx.step == 0:
+            req = self._requests[key] = _Request(self.policy_for(ctx.session))
+            while len(self._requests) > _MAX_REQUESTS:
+                self._requests.popitem(last=False)
+        self._requests.move_to_end(key)
+        return req
 
     # -- the Drafter protocol -------------------------------------------------------------
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """Draft with the source the policy picks (at most ``max_tokens`` tokens)."""
-        if ctx.step == 0:
-            self._recent.clear()
-            self._last_source = NONE
-            self._shadow.clear()
+        req = self._request(ctx)
         if max_tokens < 1:
-            self._pending = None
+            req.pending = None
             return Draft(source=NONE)
         cache = self.cache.propose(ctx, max_tokens)
         phi = None
-        if self.policy.needs_features and self.table is not None:
-            phi = features(ctx.tokens, ctx.prompt_len, cache, self._recent, self.table)
+        if req.policy.needs_features and self.table is not None:
+            phi = features(ctx.tokens, ctx.prompt_len, cache, req.recent, self.table)
         model_len = min(self.model_max, max_tokens)
-        choice = self.policy.choose(cache, model_len, phi)
+        choice = req.policy.choose(cache, model_len, phi)
         self.last_choice = choice
         if cache.tokens and math.isfinite(choice.raw):
-            self._shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw,
-                                 choice.score))
+            req.shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw,
+                               choice.score))
         t0 = time.perf_counter()
         timed = True
         if choice.source == CACHE:
@@ -142,50 +172,53 @@ class HybridDrafter:
             # cache step's 30-token copy (a KV-cache prefill, an EAGLE head's catch-up). That
             # is not a per-token drafting cost; learned as one it priced the model out of
             # every later step. Only back-to-back model steps are cost samples.
-            timed = self._last_source == MODEL
+            timed = req.last_source == MODEL
         else:
             draft = Draft(source=NONE)
         self.wins[choice.source] = self.wins.get(choice.source, 0) + 1
-        self._last_source = choice.source
+        req.last_source = choice.source
         draft_s = time.perf_counter() - t0 if timed else math.nan
-        self._pending = (choice.source, len(draft.tokens), draft_s)
+        req.pending = (choice.source, len(draft.tokens), draft_s)
         return draft
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Forward to both sub-drafters; record the step for features and the policy."""
         self.cache.observe(ctx, result)
         self.model.observe(ctx, result)
-        if self._pending is not None:
-            source, k, draft_s = self._pending
-            self._recent.append((k, result.num_accepted))
-            del self._recent[:-_RECENT_KEEP]
-            self.policy.update(source, k, result.num_accepted, draft_s)
-            self._pending = None
-        self._label_shadows(ctx, result)
+        req = self._requests.get(ctx.state_key)
+        if req is None:  # observed without a propose: nothing of this drafter's to learn
+            return
+        if req.pending is not None:
+            source, k, draft_s = req.pending
+            req.recent.append((k, result.num_accepted))
+            del req.recent[:-_RECENT_KEEP]
+            req.policy.update(source, k, result.num_accepted, draft_s)
+            req.pending = None
+        self._label_shadows(req, ctx, result)
 
-    def _label_shadows(self, ctx: DraftContext, result: VerifyResult) -> None:
+    @staticmethod
+    def _label_shadows(req: _Request, ctx: DraftContext, result: VerifyResult) -> None:
         """Give the policy the full-length accepted length of every earlier cache draft
         whose continuation is now committed (verified or not: a cut draft or a step the
         model won still says how good the cache draft was)."""
-        if not self._shadow:
+        if not req.shadow:
             return
-        base = self._shadow[0][0]
+        base = req.shadow[0][0]
         committed = list(ctx.tokens[base:]) + list(result.tokens)  # from the oldest start
-        while self._shadow:
-            start, draft, raw, score = self._shadow[0]
+        while req.shadow:
+            start, draft, raw, score = req.shadow[0]
             label = full_length_label(draft, committed[start - base:])
             if label is None:  # drafts start in order: later ones are not due either
                 break
-            self._shadow.popleft()
-            self.policy.outcome(raw, label, score, len(draft))
+            req.shadow.popleft()
+            req.policy.outcome(raw, label, score, len(draft))
 
     def finish(self, ctx: DraftContext) -> None:
-        """Forward to both sub-drafters; the request's step history ends."""
+        """Forward to both sub-drafters; the request's state ends (unlabelled cache drafts
+        with it: their continuation never came)."""
         self.cache.finish(ctx)
         self.model.finish(ctx)
-        self._recent.clear()
-        self._pending = None
-        self._shadow.clear()  # unlabelled drafts at the end: the continuation never came
+        self._requests.pop(ctx.state_key, None)
 
     @property
     def wants_features(self) -> bool:
@@ -201,7 +234,7 @@ class HybridDrafter:
     def policy_for(self, session: SessionRef | None) -> SourcePolicy:
         """The policy serving ``session``'s tenant (made on the tenant's first request)."""
         if self.policy_factory is None or session is None:
-            return self._default_policy
+            return self.policy
         tenant = session.tenant
         pol = self._policies.get(tenant)
         if pol is None:
@@ -212,10 +245,8 @@ class HybridDrafter:
         return pol
 
     def begin_request(self, session: SessionRef | None, rng: Any) -> None:
-        """Switch to the request's tenant's policy; forward the request start to the
-        sub-drafters that take it."""
-        self.policy = self.policy_for(session)
-        self._recent.clear()
+        """Forward the request start to the sub-drafters that take it (this drafter's own
+        request state starts with the request's first :meth:`propose`)."""
         for part in (self.cache, self.model):
             if isinstance(part, RequestAware):
                 part.begin_request(session, rng)

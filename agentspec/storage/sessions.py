@@ -44,11 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.errors import (
+    AgentSpecError,
     ConfigError,
     SessionTooLargeError,
     StoreCorruptError,
     UnknownSessionError,
 )
+from agentspec.interfaces import TurnStore
 from agentspec.models import agentspec_home
 from agentspec.storage import SYNC_MODES, Schema, SQLiteFile
 from agentspec.storage.quotas import evict
@@ -169,6 +171,22 @@ def open_store(
         return None
     path = None if store is True else Path(str(store)).expanduser()
     return SessionStore.open_or_recover(path, config)
+
+
+def persist_turn(store: TurnStore, ref: SessionRef, tokens: Sequence[int]) -> bool:
+    """Append one finished turn (prompt + output) to ``store``; ``False`` if it failed.
+
+    The one place a finished turn is written, called by whoever owns the request's
+    lifecycle (:class:`agentspec.runtime.Runtime`, the vLLM proposer), whichever drafter
+    decoded it. The answer is already produced by then: a turn that cannot be written (an
+    oversized session, a busy or damaged store) is logged and skipped, never raised.
+    """
+    try:
+        store.append_turn(ref, [int(t) for t in tokens])
+    except AgentSpecError as exc:
+        log.warning("turn of session %s not persisted: %s", ref, exc)
+        return False
+    return True
 
 
 def _key(ref: SessionRef) -> _Key:

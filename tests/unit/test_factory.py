@@ -239,4 +239,6 @@ def test_hvd_policy_state_is_per_tenant(tiny_target, hvd_parts) -> None:  # type
         engine.generate(prompt, 24, session=a)
     assert _state(pol_b) == fresh  # tenant b's estimates did not move
     assert _state(pol_a) != fresh  # tenant a's did
-    assert hybrid.policy is pol_a  # the drafter served tenant a with a's policy
+    # The drafter served tenant a with a's policy, looked up per request: its default
+    # policy (requests without a session) is never swapped for a tenant's.
+    assert hybrid.policy is not pol_a and _state(hybrid.policy) == fresh

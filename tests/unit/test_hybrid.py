@@ -226,11 +226,12 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
         shadows: ClassVar[list[tuple[int, tuple[int, ...], float]]] = []
 
         def propose(self, ctx, max_tokens):  # type: ignore[no-untyped-def]
-            before = len(self._shadow)
+            req = self._requests.get(ctx.state_key)  # this request's state
+            before = len(req.shadow) if req is not None and ctx.step else 0
             draft = super().propose(ctx, max_tokens)
-            if len(self._shadow) > before or (self._shadow and self._shadow[-1][0] ==
-                                              len(ctx.tokens)):
-                self.shadows.append(self._shadow[-1])
+            shadow = self._requests[ctx.state_key].shadow
+            if len(shadow) > before or (shadow and shadow[-1][0] == len(ctx.tokens)):
+                self.shadows.append(shadow[-1])
             return draft
 
     policy = CutEverything()

@@ -12,6 +12,7 @@ from agentspec.drafters.suffix.automaton import SuffixIndex, spec_limit
 from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter, scope_key
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
+from agentspec.storage.sessions import persist_turn
 from agentspec.types import DraftContext, SessionRef, VerifyResult
 
 
@@ -283,9 +284,13 @@ class FakeStore:
 
 
 def test_store_roundtrip() -> None:
+    """The drafter reads the store; the lifecycle's owner (the runtime, the vLLM proposer)
+    writes every finished turn with ``persist_turn``."""
     store = FakeStore()
     ref = SessionRef("s1", "acme")
     _run(SuffixDrafter(store=store), [1], DOC, ref)
+    assert store.turns == {}  # drafters never write
+    assert persist_turn(store, ref, [1, *DOC])
     assert store.turns[ref] == [[1, *DOC]]
     fresh = SuffixDrafter(store=store)  # a new process: history comes from the store
     steps, origins = _run(fresh, [2], DOC, ref)

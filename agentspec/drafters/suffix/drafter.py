@@ -25,10 +25,12 @@ vLLM): concurrent requests of one session keep separate indexes. Without an id t
 request is keyed by its session and a new one is recognised from ``step == 0`` or a
 context that no longer extends the indexed one (the pre-lifecycle behaviour).
 
-Persistence: with a ``store`` (see :class:`TurnStore`), finished turns are written with
-``store.append_turn`` and a session's stored turns are loaded into its indexes the first
-time this process sees that session. Sessions this process never sees are not loaded into
-the agent / tenant indexes (the store is only read per session).
+Persistence: the drafter only reads the ``store`` (see :class:`TurnStore`): a session's
+stored turns are loaded into its indexes the first time this process sees that session.
+Whoever owns the request lifecycle writes every finished turn, whichever drafter ran
+(:class:`agentspec.runtime.Runtime`, the vLLM proposer, through
+:func:`agentspec.storage.sessions.persist_turn`). Sessions this process never sees are not
+loaded into the agent / tenant indexes (the store is only read per session).
 
 The indexes live in arctic-inference's C++ suffix tree when it is installed and in the
 pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix.index`).
@@ -36,7 +38,6 @@ pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix.index`).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -56,18 +57,15 @@ from agentspec.drafters.suffix.levels import (
     Request,
     lazy_levels,
     novel_start,
-    request_key,
     scope_key,
     visible_keys,
 )
-from agentspec.errors import AgentSpecError
 from agentspec.interfaces import TurnStore
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "novel_start", "scope_key",
            "visible_keys"]
 
-log = logging.getLogger(__name__)
 
 _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
 # Finished request indexes kept for their session's next request, in tokens (~150 MB with
@@ -86,7 +84,8 @@ class SuffixDrafter:
 
     Args:
         config: Settings; defaults suit agent workloads.
-        store: Optional persistent turn store (``load`` / ``append_turn``).
+        store: Optional persistent turn store, read here (``load``), written by the owner
+            of the request lifecycle.
 
     Attributes:
         last_origin: Which index produced the latest draft: ``"request"``, ``"session"``,
@@ -101,7 +100,6 @@ class SuffixDrafter:
         self.store = store
         self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
-        self.store_errors = 0
         self.requests_started = 0  # request indexes built or carried (lifecycle starts)
         self._requests: OrderedDict[Hashable, Request] = OrderedDict()
         self._pools: OrderedDict[tuple[str, ...], Pool] = OrderedDict()
@@ -126,7 +124,7 @@ class SuffixDrafter:
     def stop_request(self, ctx: DraftContext) -> None:
         """End a request without adding it to any history (aborted, or not worth keeping)."""
         with self._lock:
-            self._requests.pop(request_key(ctx), None)
+            self._requests.pop(ctx.state_key, None)
 
     # ----------------------------------------------------------------- Drafter protocol
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -203,7 +201,7 @@ class SuffixDrafter:
         if not self.config.use_request_index:
             return
         with self._lock:
-            req = self._requests.get(request_key(ctx))
+            req = self._requests.get(ctx.state_key)
             # Only extend the index of this very request, and only when it is in sync.
             if req is not None and req.n == len(ctx.tokens):
                 if req.cands:
@@ -212,9 +210,10 @@ class SuffixDrafter:
                 self._commit(req, result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
-        """End the request; add its new tokens to the history indexes (and the store)."""
+        """End the request; add its new tokens to the history indexes (the caller
+        persists the turn: see the module docstring)."""
         with self._lock:
-            req = self._requests.pop(request_key(ctx), None)
+            req = self._requests.pop(ctx.state_key, None)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
@@ -231,14 +230,6 @@ class SuffixDrafter:
                 for pool, lazy in zip([p for _, p in pools], lazy_levels(pools), strict=True):
                     self._index_new(pool, ctx.session.session_id, new, lazy)
             self._remember(ctx.session, tokens, req)
-            if self.store is not None:
-                try:
-                    self.store.append_turn(ctx.session, tokens)
-                except AgentSpecError as exc:
-                    # The answer is already produced: losing the persisted turn (an
-                    # oversized session, a busy or damaged store) must not lose the answer.
-                    self.store_errors += 1
-                    log.warning("turn of session %s not persisted: %s", ctx.session, exc)
 
     # ----------------------------------------------------------------- management
     def forget(self, ref: SessionRef) -> None:
@@ -296,7 +287,7 @@ class SuffixDrafter:
         self._attach_outputs(ctx, req)
         if ctx.session is not None and cfg.use_history:
             req.pools = self._visible(ctx.session, req.carried)
-        key = request_key(ctx)
+        key = ctx.state_key
         self._requests[key] = req
         self._requests.move_to_end(key)
         while len(self._requests) > _MAX_REQUESTS:
@@ -328,7 +319,7 @@ class SuffixDrafter:
 
     def _sync(self, ctx: DraftContext) -> Request:
         """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
-        req = self._requests.get(request_key(ctx))
+        req = self._requests.get(ctx.state_key)
         if req is None:
             return self._start(ctx)
         if ctx.request_id is None:

@@ -7,7 +7,7 @@ See :mod:`agentspec.drafters.suffix.drafter` for how they fit together.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 from agentspec.drafters.suffix.index import Speculation, Tree
 from agentspec.types import DraftContext, SessionRef
@@ -233,8 +233,3 @@ def lazy_levels(pools: list[tuple[str, Pool]]) -> list[bool]:
         lazy.append(len(pool.turns) == narrower)
         narrower = len(pool.turns)
     return lazy
-
-
-def request_key(ctx: DraftContext) -> Hashable:
-    """Requests are keyed by their id when they have one, else by their session."""
-    return ("id", ctx.request_id) if ctx.request_id is not None else ("session", ctx.session)
