@@ -39,17 +39,22 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of ``a`` and ``b``.
 
-    Compares whole slices first (the usual case: one sequence extends the other), then
-    binary-searches on prefix equality, so the comparisons run at C speed on long prompts.
+    The one copy every caller uses (the model drafter's KV-cache sync, the session cache's
+    new part of a turn and its score calibration, HVD's draft labels). Slices are compared
+    in C (a 32k-token prefix in ~0.1 ms): first whole (the usual case: one sequence extends
+    the other), then bisecting to the first difference, then a short Python scan.
     """
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
+    x, y = list(a[:n]), list(b[:n])
+    if x == y:
         return n
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if list(a[:mid]) == list(b[:mid]):
+    lo, hi = 0, n  # x[:lo] == y[:lo]; x[:hi] != y[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if x[lo:mid] == y[lo:mid]:
             lo = mid
         else:
-            hi = mid - 1
+            hi = mid
+    while lo < hi and x[lo] == y[lo]:
+        lo += 1
     return lo

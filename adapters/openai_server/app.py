@@ -1,86 +1,37 @@
-"""The FastAPI application: routes, authentication, body limits and error bodies.
+"""The FastAPI application: its parts, its lifespan and its error bodies.
 
-Routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. The request body is read and validated here rather than by FastAPI's
-parameter binding, so an oversized body is cut off while it is read (413) and every bad
-input gets an OpenAI-style error body instead of FastAPI's own shape.
+:func:`create_app` wires the queue (:mod:`~adapters.openai_server.service`), the metrics,
+the error handlers (OpenAI-style bodies for every failure) and the routes
+(:mod:`~adapters.openai_server.routes`), which answer through
+:mod:`~adapters.openai_server.streaming` (one JSON body or server-sent events).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from openai.types import Model
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.openai_server import responses
-from adapters.openai_server.config import ServerConfig, is_loopback
+from adapters.openai_server.config import ServerConfig
 from adapters.openai_server.errors import (
     APIError,
     bad_request,
-    body_timeout,
     error_body,
-    from_exception,
-    model_not_found,
-    too_large,
 )
 from adapters.openai_server.guard import ErrorGuard
 from adapters.openai_server.metrics import Metrics
-from adapters.openai_server.params import check_params
-from adapters.openai_server.schemas import ChatCompletionRequest, ModelList, now, wire
-from adapters.openai_server.service import ChatService, Generation, Job, build_job
-from adapters.openai_server.validation import check_conversation, parse_json
+from adapters.openai_server.routes import add_routes
+from adapters.openai_server.schemas import now
+from adapters.openai_server.service import ChatService
 from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
-
-SESSION_HEADER = "x-session-id"
-AGENT_HEADER = "x-agent-id"
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ())]
-    param = ".".join(loc) or None
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    return (f"{param}: {msg}" if param else msg), (loc[0] if loc else None)
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):  # a body that never arrives: 408, not a hang
-            async for chunk in request.stream():  # chunked uploads have no content-length
-                body.extend(chunk)
-                if len(body) > limit:
-                    raise too_large(limit)
-    except TimeoutError:
-        raise body_timeout(timeout_s) from None
-    return bytes(body)
-
-
-async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
-    """Cancel ``gen`` when the client hangs up (a queued job is then skipped)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gen.cancel()
-            return
 
 
 def _close_store(runtime: Any) -> None:
@@ -92,10 +43,6 @@ def _close_store(runtime: Any) -> None:
             close()
         except Exception:  # shutdown goes on; the WAL is still replayed on the next open
             log.exception("closing the session store failed")
-
-
-class _ClientGone(Exception):
-    """The generation ended because its client disconnected."""
 
 
 def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> FastAPI:
@@ -158,160 +105,5 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"),
                             status_code=exc.status_code)
 
-    def tenant_of(request: Request) -> str:
-        if config.local_only and not is_loopback(request.client.host if request.client else None):
-            # Defence in depth: the CLI binds loopback in this mode, but an app mounted
-            # behind some other server must not serve remote clients without keys either.
-            raise APIError(403, "This server is in local-only mode (no API keys configured) "
-                                "and answers loopback clients only.", "permission_error")
-        return config.keys.tenant_for(request.headers.get("authorization"))
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "waiting": metrics.waiting,
-                "running": metrics.running}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    def card(model_id: str) -> Model:
-        return Model(id=model_id, object="model", created=started, owned_by="agentspec")
-
-    # exclude_none: openai's Model has optional fields (shutdown_date) this server never sets.
-    @app.get("/v1/models", response_model_exclude_none=True)
-    async def models(request: Request) -> ModelList:
-        tenant_of(request)
-        return ModelList(data=[card(m) for m in served])
-
-    @app.get("/v1/models/{model_id:path}", response_model_exclude_none=True)
-    async def model(model_id: str, request: Request) -> Model:
-        tenant_of(request)
-        if model_id not in served:
-            raise model_not_found(model_id, served)
-        return card(model_id)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        tenant = tenant_of(request)
-        raw = await _read_body(request, config.max_request_bytes, config.body_timeout_s)
-        data = parse_json(raw)
-        if not isinstance(data, dict):
-            raise bad_request("request body must be a JSON object")
-        check_params(data)  # 400 for any parameter the server would otherwise ignore
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise bad_request(message, param) from None
-        if req.model not in served:
-            raise model_not_found(req.model, served)
-        check_conversation(data["messages"], data.get("tools") if req.tools else None)
-        job = build_job(
-            req, data.get("tools") if req.tools else None, tenant=tenant,
-            session_header=request.headers.get(SESSION_HEADER),
-            agent_header=request.headers.get(AGENT_HEADER),
-            base_spec=runtime.default_spec, config=config,
-        )
-        gen = service.submit(job)
-        headers = {"X-Session-Id": job.session.session_id} if job.session else {}
-        # Until the answer (or a stream's first event) exists, watch for the client leaving:
-        # a departed client's job is skipped or stopped, and its turn is never stored.
-        # A started stream is watched by Starlette itself, so the watcher ends before that.
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
-        try:
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await _stream(gen, job, include_usage, headers)
-            return await _complete(gen, job, headers)
-        finally:
-            watcher.cancel()
-
-    async def _first(gen: Generation) -> tuple[str, Any]:
-        try:
-            kind, payload = await gen.next()
-        except BaseException:
-            gen.cancel()  # the client went away while queued
-            raise
-        if kind == "cancelled":
-            raise _ClientGone
-        if kind == "error":
-            err = from_exception(payload)
-            if err.status >= 500:
-                log.error("generation failed", exc_info=payload)
-            raise err
-        return kind, payload
-
-    async def _complete(gen: Generation, job: Job, headers: dict[str, str]) -> Response:
-        try:
-            kind, payload = await _first(gen)
-            while kind == "delta":
-                kind, payload = await _first(gen)
-        except _ClientGone:  # nobody is listening: no answer, and no turn was stored
-            metrics.aborted()
-            return Response(status_code=499)
-        sid = job.session.session_id if job.session else None
-        metrics.finished(payload.stats, responses.finish_reason_of(payload, job.tools_active),
-                         time.perf_counter() - gen.submitted)
-        body = responses.completion(payload, model_name, job.tools_active, sid)
-        return JSONResponse(wire(body), headers=headers)
-
-    async def _stream(
-        gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]
-    ) -> Response:
-        # Wait for the first event before answering: a bad prompt (too long, bad
-        # tool_choice) is then still a proper HTTP 400 rather than an error inside a 200.
-        try:
-            first = await _first(gen)
-        except _ClientGone:
-            metrics.aborted()
-            return Response(status_code=499)
-        writer = responses.ChunkWriter(model_name, job.tools_active, include_usage)
-        sid = job.session.session_id if job.session else None
-
-        async def events() -> AsyncIterator[ServerSentEvent]:
-            kind, payload = first
-            yield writer.start()
-            metrics.first_token(time.perf_counter() - gen.submitted)
-            finished = False
-            try:
-                while True:
-                    if kind == "delta":
-                        event = writer.delta(payload)
-                        if event is not None:
-                            yield event
-                    elif kind == "done":
-                        metrics.finished(payload.stats,
-                                         responses.finish_reason_of(payload, job.tools_active),
-                                         time.perf_counter() - gen.submitted)
-                        finished = True
-                        for event in writer.finish(payload, sid):
-                            yield event
-                        return
-                    elif kind == "cancelled":
-                        return
-                    else:  # an error after the response started: report it in-band
-                        finished = True
-                        err = from_exception(payload)
-                        metrics.error(err.status)
-                        yield responses.sse(err.body())
-                        yield responses.DONE
-                        return
-                    kind, payload = await gen.next()
-            finally:
-                gen.cancel()  # no-op after "done"; stops the worker if the client left
-                if not finished:
-                    metrics.aborted()
-
-        # sse-starlette, set up so the body is byte for byte what the former hand framing sent
-        # with StreamingResponse (measured; only the headers "Connection: keep-alive" and
-        # "X-Accel-Buffering: no" are new): "\n" line ends, no ping comments (ping=0), and no
-        # cutting of open streams at shutdown. By default it cancels them as soon as uvicorn
-        # begins to exit (SIGTERM with 3 streams in flight: all 3 cut within 0.3 s, where
-        # StreamingResponse drained all 3); an endless grace period leaves that to uvicorn's
-        # graceful-shutdown timeout again, so streams in flight are drained, not cut.
-        return EventSourceResponse(events(), sep=responses.SEP, ping=0,
-                                   shutdown_grace_period=math.inf,
-                                   headers={**headers, "Cache-Control": "no-cache"})
-
+    add_routes(app, runtime, config, metrics, service, served, started)
     return app

@@ -12,14 +12,8 @@ import sys
 from pathlib import Path
 
 from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
+from agentspec.cli.args import positive_int
 from agentspec.errors import AgentSpecError
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,18 +42,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="session store file (default: sessions.sqlite3 in AGENTSPEC_HOME)")
     store.add_argument("--no-store", action="store_true",
                        help="keep session caches in memory only")
-    p.add_argument("--tenant-max-sessions", type=_positive, default=None, metavar="N",
+    p.add_argument("--tenant-max-sessions", type=positive_int, default=None, metavar="N",
                    help="sessions stored per tenant; a tenant past it evicts its own least "
                         "recently used sessions (default: no per-tenant cap)")
-    p.add_argument("--tenant-max-tokens", type=_positive, default=None, metavar="N",
+    p.add_argument("--tenant-max-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens stored per tenant, evicting within the tenant (default: no cap)")
-    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
-    p.add_argument("--default-max-tokens", type=_positive, default=256,
+    p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="completion tokens when a request sets no max_tokens (default 256)")
-    p.add_argument("--max-tokens-limit", type=_positive, default=4096,
+    p.add_argument("--max-tokens-limit", type=positive_int, default=4096,
                    help="largest max_tokens a request may ask for (default 4096)")
-    p.add_argument("--max-waiting", type=_positive, default=256,
+    p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="requests that may queue for the model; more get HTTP 503 (default 256)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])

@@ -25,21 +25,20 @@ refused (:class:`~agentspec.payoff.predictor.PredictorError`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from adapters.vllm import envs
 from agentspec.errors import ConfigError
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, CostAwarePolicy
 from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.types import Draft
 
-ENV_PAYOFF = "AGENTSPEC_VLLM_PAYOFF"
-ENV_PREDICTOR = "AGENTSPEC_VLLM_PREDICTOR"
-ENV_COST = "AGENTSPEC_VLLM_COST_PER_TOKEN"
+# The variables this module reads (declared, with their defaults, in adapters/vllm/envs.py).
+ENV_PAYOFF, ENV_PREDICTOR, ENV_COST = envs.PAYOFF, envs.PREDICTOR, envs.COST
 MODES = ("off", "cost_aware")
 
 
@@ -70,12 +69,12 @@ class PayoffGate:
             ConfigError: an unknown mode or a bad cost.
             PredictorError: the predictor does not fit the served model's tokenizer.
         """
-        mode = os.environ.get(ENV_PAYOFF, "off")
+        mode = envs.read(ENV_PAYOFF, "off")
         if mode not in MODES:
             raise ConfigError(f"{ENV_PAYOFF} must be one of {MODES}, got {mode!r}")
         if mode == "off":
             return None
-        raw = os.environ.get(ENV_COST, "0.04")
+        raw = envs.read(ENV_COST, "0.04")
         try:
             cost = float(raw)
         except ValueError:
@@ -87,7 +86,7 @@ class PayoffGate:
         model_config = vllm_config.model_config
         tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
         target = SimpleNamespace(tokenizer=tokenizer, vocab_size=model_config.get_vocab_size())
-        path = os.environ.get(ENV_PREDICTOR)
+        path = envs.read(ENV_PREDICTOR)
         predictor = load_predictor(target, Path(path) if path else None)
         return cls(predictor, token_table(target), cost)
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from collections import deque
@@ -59,6 +58,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from adapters.vllm import envs
 from adapters.vllm.payoff_gate import PayoffGate
 from adapters.vllm.request_ids import decode_request_id
 from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
@@ -71,12 +71,9 @@ from agentspec.types import DraftContext, SessionRef
 
 log = logging.getLogger(__name__)
 
-ENV_SCOPE = "AGENTSPEC_VLLM_SCOPE"
-ENV_MIN_SCORE = "AGENTSPEC_VLLM_MIN_SCORE"
-ENV_STORE = "AGENTSPEC_VLLM_STORE"
-ENV_STATS = "AGENTSPEC_VLLM_STATS"
-ENV_SPEC_OFFSET = "AGENTSPEC_VLLM_SPEC_OFFSET"
-ENV_OUTPUTS = "AGENTSPEC_VLLM_OUTPUTS"
+# The variables this module reads (declared, with their defaults, in adapters/vllm/envs.py).
+ENV_SCOPE, ENV_MIN_SCORE, ENV_STORE = envs.SCOPE, envs.MIN_SCORE, envs.STORE
+ENV_STATS, ENV_SPEC_OFFSET, ENV_OUTPUTS = envs.STATS, envs.SPEC_OFFSET, envs.OUTPUTS
 _DUMP_EVERY = 8  # propose calls between stats dumps (~1 s of CPU engine steps; ~0.1 ms each)
 _ANON_TENANT = "vllm-anonymous"  # request-only scope of requests without a session
 
@@ -142,8 +139,8 @@ def _find_runner(max_depth: int = 8) -> Any | None:
 
 def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
     """The drafter settings and payoff-gate threshold from the environment."""
-    scope = os.environ.get(ENV_SCOPE, SuffixConfig.scope)
-    raw = os.environ.get(ENV_MIN_SCORE, "0")
+    scope = envs.read(ENV_SCOPE, SuffixConfig.scope)
+    raw = envs.read(ENV_MIN_SCORE, "0")
     try:
         min_score = float(raw)
     except ValueError:
@@ -158,13 +155,13 @@ def _config_from_env(num_speculative_tokens: int) -> tuple[SuffixConfig, float]:
         raise ConfigError(f"{ENV_SCOPE}={scope!r} / num_speculative_tokens="
                           f"{num_speculative_tokens}: {exc}") from None
     config = replace(suffix_config(spec), tree=False)  # vLLM verifies one chain per request
-    offset = os.environ.get(ENV_SPEC_OFFSET)
+    offset = envs.read(ENV_SPEC_OFFSET)
     if offset is not None:
         try:
             config = replace(config, max_spec_offset=float(offset))
         except ValueError:
             raise ConfigError(f"{ENV_SPEC_OFFSET} must be a number, got {offset!r}") from None
-    outputs = os.environ.get(ENV_OUTPUTS)
+    outputs = envs.read(ENV_OUTPUTS)
     if outputs is not None:
         if outputs not in ("0", "1"):
             raise ConfigError(f"{ENV_OUTPUTS} must be 0 or 1, got {outputs!r}")
@@ -189,10 +186,10 @@ class AgentSpecProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         config, self.min_score = _config_from_env(self.k)
-        if store is None and os.environ.get(ENV_STORE):
+        if store is None and envs.read(ENV_STORE):
             from agentspec.storage.sessions import SessionStore
 
-            store = SessionStore.open_or_recover(os.environ[ENV_STORE])
+            store = SessionStore.open_or_recover(envs.read(ENV_STORE))
         self.store = store
         self.drafter = SuffixDrafter(config, store=store)
         self.gate = PayoffGate.from_env(vllm_config)
@@ -200,7 +197,7 @@ class AgentSpecProposer:
         if self.runner is None:
             log.warning("agentspec proposer: no model runner found; drafting without sessions")
         self.stats = ProposerStats()
-        raw = os.environ.get(ENV_STATS)
+        raw = envs.read(ENV_STATS)
         self.stats_path = Path(raw) if raw else None
         self._live: dict[str, _Live] = {}
         self._anon = 0

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from adapters.openai_server.cli import add_serve_parser, build_config
+from adapters.vllm import envs
 from agentspec.errors import AgentSpecError
 
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         if args.store is not None and not args.no_store:
-            os.environ["AGENTSPEC_VLLM_STORE"] = str(Path(args.store).expanduser())
+            os.environ[envs.STORE] = str(Path(args.store).expanduser())
         spec = AgentSpec(drafting=DraftingPolicy(
             method=args.drafting, max_draft=args.max_draft, draft_model=args.draft_model,
         ))

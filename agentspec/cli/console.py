@@ -14,39 +14,26 @@ import json
 import sys
 from pathlib import Path
 
+from agentspec.cli.args import csv_list, positive_int
 from agentspec.errors import AgentSpecError
 
 
-def _csv(value: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) -> None:
-    p.add_argument("--workloads", type=_csv, default=_csv(workloads),
+    p.add_argument("--workloads", type=csv_list, default=csv_list(workloads),
                    help=f"comma-separated workloads (default: {workloads})")
-    p.add_argument("--methods", type=_csv, default=_csv(methods),
+    p.add_argument("--methods", type=csv_list, default=csv_list(methods),
                    help=f"comma-separated methods; greedy always runs first as the reference "
                         f"(default: {methods})")
-    p.add_argument("--limit", type=_positive, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="sessions per workload (default: the workload's own)")
-    p.add_argument("--turns", type=_positive, default=3, help="turns per session (default 3)")
+    p.add_argument("--turns", type=positive_int, default=3, help="turns per session (default 3)")
     p.add_argument("--out", type=Path, default=None,
                    help="write JSON results here (+ .turns.jsonl and .steps.jsonl beside it)")
     p.add_argument("--model", default=None,
                    help="model: the embedded one (default) or a local Hugging Face folder")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
-    p.add_argument("--max-draft", type=_positive, default=16,
+    p.add_argument("--max-draft", type=positive_int, default=16,
                    help="longest draft verified in one forward (default 16)")
     p.add_argument("--data", default=None,
                    help="folder with delegate52_domains.jsonl, delegate52_prompt_template.txt, "
@@ -135,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
     gen.add_argument("prompt", help="the user message")
-    gen.add_argument("--max-tokens", type=_positive, default=128)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
     gen.add_argument("--drafter", choices=["none", "prompt_lookup"], default="prompt_lookup")
     gen.add_argument("--model", default=None)
     return parser

@@ -15,16 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentspec.cli.args import positive_int
 from agentspec.training.payoff_traces import SessionSource, TraceSpec
 
 _DEFAULT_WORKLOADS = ",".join(TraceSpec().workloads)
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def add_train_predictor_parser(sub: Any) -> None:
@@ -53,28 +47,28 @@ def add_train_predictor_parser(sub: Any) -> None:
                    help=f"workloads to trace (default: {_DEFAULT_WORKLOADS})")
     p.add_argument("--data", default=None,
                    help="workload data folder (default: $AGENTSPEC_DATA or the packaged fixture)")
-    p.add_argument("--limit", type=_positive, default=TraceSpec.limit,
+    p.add_argument("--limit", type=positive_int, default=TraceSpec.limit,
                    help=f"sessions per workload (default {TraceSpec.limit})")
     p.add_argument("--exclude", default="",
                    help="comma-separated session ids never to trace")
     p.add_argument("--exclude-bench", action="store_true",
                    help="never trace the sessions `make bench` measures (the first 5 of each "
                         "workload in the packaged fixture), so benchmark figures stay held out")
-    p.add_argument("--turns", type=_positive, default=TraceSpec.turns,
+    p.add_argument("--turns", type=positive_int, default=TraceSpec.turns,
                    help=f"turns per session (default {TraceSpec.turns})")
-    p.add_argument("--max-tokens", type=_positive, default=TraceSpec.max_tokens,
+    p.add_argument("--max-tokens", type=positive_int, default=TraceSpec.max_tokens,
                    help=f"cap on tokens per traced turn (default {TraceSpec.max_tokens})")
-    p.add_argument("--trace-tokens", type=_positive, default=TraceSpec.max_total_tokens,
+    p.add_argument("--trace-tokens", type=positive_int, default=TraceSpec.max_total_tokens,
                    help="stop tracing after this many output tokens "
                         f"(default {TraceSpec.max_total_tokens}; the CPU decodes ~15-25 tok/s)")
     p.add_argument("--save-traces", type=Path, default=None,
                    help="also copy the generated traces here")
-    p.add_argument("--max-draft", type=_positive, default=32,
+    p.add_argument("--max-draft", type=positive_int, default=32,
                    help="cache draft length during replay: the engine's max_draft (default 32, "
                         "as `agentspec bench` and `make bench` run)")
     p.add_argument("--val-fraction", type=float, default=0.3,
                    help="share of each workload's sessions held out (default 0.3)")
-    p.add_argument("--epochs", type=_positive, default=400, help="Adam epochs (default 400)")
+    p.add_argument("--epochs", type=positive_int, default=400, help="Adam epochs (default 400)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split and the MLP")
     p.add_argument("--no-residual", action="store_true",
                    help="predict the accepted length from scratch instead of as a learned "

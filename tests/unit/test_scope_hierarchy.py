@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from agentspec.drafters import SuffixConfig, SuffixDrafter
-from agentspec.drafters.suffix.drafter import novel_start, visible_keys
+from agentspec.drafters.suffix.drafter import visible_keys
 from agentspec.drafters.suffix.index import arctic_available
+from agentspec.tokens import common_prefix
 from agentspec.types import DraftContext, SessionRef, VerifyResult
 
 BACKENDS = ["python", "arctic"] if arctic_available() else ["python"]
@@ -168,11 +169,11 @@ def test_request_index_is_carried_into_the_sessions_next_turn() -> None:
         assert drafter._requests[("id", "t1")].carried
 
 
-def test_novel_start() -> None:
+def test_common_prefix() -> None:
     a = list(range(1000))
-    assert novel_start(a, [*a, 5]) == 1000
-    assert novel_start(a, [*a[:700], 0, *a[701:]]) == 700
-    assert novel_start([], [1]) == 0 and novel_start([1, 2], [2]) == 0
+    assert common_prefix(a, [*a, 5]) == 1000
+    assert common_prefix(a, [*a[:700], 0, *a[701:]]) == 700
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [2]) == 0
 
 
 def test_backends_agree_on_a_copy_workload() -> None:

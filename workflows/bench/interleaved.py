@@ -37,6 +37,7 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.types import RequestStats, SessionRef
 from workflows.bench.harness import _warm_up, check_names
 from workflows.bench.methods import MethodContext, build_method
+from workflows.report.markdown import markdown_table
 from workflows.workloads.registry import load_workload
 
 DEFAULT_MIX = "delegate52:5x4,tool_agent:3x2,chat:3x2"
@@ -162,20 +163,16 @@ def format_table(report: dict[str, Any]) -> str:
     """Markdown: tokens/s per workload and pooled, and forwards per 1,000 tokens."""
     methods = report["methods"]
     cols = [*report["workloads"], "pooled"]
-    lines = ["| method | " + " | ".join(f"{c} tok/s" for c in cols) + " | pooled fwd/1k |",
-             "|---" * (len(cols) + 2) + "|"]
-    for m in methods:
-        cells = [report["workloads"][w][m]["tokens_per_s"] for w in report["workloads"]]
-        cells.append(report["pooled"][m]["tokens_per_s"])
-        lines.append(f"| {m} | " + " | ".join(f"{c:.1f}" for c in cells)
-                     + f" | {report['pooled'][m]['forwards_per_1k']:.0f} |")
+    per = [report["workloads"][w] for w in report["workloads"]] + [report["pooled"]]
+    lines = [markdown_table(
+        ["method", *(f"{c} tok/s" for c in cols), "pooled fwd/1k"],
+        [[m, *(f"{p[m]['tokens_per_s']:.1f}" for p in per),
+          f"{report['pooled'][m]['forwards_per_1k']:.0f}"] for m in methods])]
     if "greedy" in methods:
-        lines += ["", "| method | " + " | ".join(f"{c} vs greedy" for c in cols) + " |",
-                  "|---" * (len(cols) + 1) + "|"]
-        for m in methods:
-            per = [report["workloads"][w] for w in report["workloads"]] + [report["pooled"]]
-            lines.append(f"| {m} | " + " | ".join(
-                f"{p[m]['tokens_per_s'] / p['greedy']['tokens_per_s']:.2f}×" for p in per) + " |")
+        lines += ["", markdown_table(
+            ["method", *(f"{c} vs greedy" for c in cols)],
+            [[m, *(f"{p[m]['tokens_per_s'] / p['greedy']['tokens_per_s']:.2f}×" for p in per)]
+             for m in methods])]
     lines.append("")
     first = methods[0]
     lines += [f"{first} / {b} pooled: {report['pooled_ratios'][f'{first}_over_{b}']:.3f}"

@@ -30,6 +30,7 @@ from typing import Any
 
 from agentspec.errors import BenchmarkError
 from agentspec.types import SamplingParams, SessionRef
+from workflows.report.markdown import markdown_table
 
 # name -> (AgentSpec drafting.method, proposer, payoff gate)
 CONFIGS: dict[str, tuple[str, str, str]] = {
@@ -60,7 +61,9 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len
     )
     stats_file = Path(tempfile.mkdtemp()) / "proposer_stats.json"
-    os.environ["AGENTSPEC_VLLM_STATS"] = str(stats_file)  # read by the proposer's worker
+    from adapters.vllm import envs
+
+    os.environ[envs.STATS] = str(stats_file)  # read by the proposer's worker
     start = time.perf_counter()
     rt = VLLMRuntime.load(args.model, spec, proposer, settings, payoff)  # type: ignore[arg-type]
     start_s = time.perf_counter() - start
@@ -168,18 +171,21 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The summary as a fixed-width text table."""
-    lines = [f"{'config':<20}{'req':>5}{'tokens':>8}{'tok/s':>9}{'speed-up':>10}{'acc.len':>9}"
-             f"{'tok/step':>10}{'start s':>9}{'load':>7}  identical"]
+    """The summary as a Markdown table."""
+    headers = ["config", "req", "tokens", "tok/s", "speed-up", "acc.len", "tok/step",
+               "start s", "load", "identical"]
+    cells = []
     for r in rows:
-        speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
-        load = f"{r['load_avg']:.1f}" if r.get("load_avg") is not None else "-"
         per_step = r.get("tokens_per_engine_step")
-        lines.append(f"{r['config']:<20}{r['requests']:>5}{r['tokens']:>8}"
-                     f"{r['tokens_per_s']:>9.1f}{speed:>10}{r['mean_accepted_len']:>9.2f}"
-                     f"{per_step if per_step is not None else '-':>10}"
-                     f"{r['start_s']:>9.1f}{load:>7}  {r['identical']}")
-    return "\n".join(lines)
+        cells.append([
+            str(r["config"]), str(r["requests"]), str(r["tokens"]), f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-",
+            f"{r['mean_accepted_len']:.2f}", str(per_step) if per_step is not None else "-",
+            f"{r['start_s']:.1f}",
+            f"{r['load_avg']:.1f}" if r.get("load_avg") is not None else "-",
+            str(r["identical"]),
+        ])
+    return markdown_table(headers, cells)
 
 
 def build_parser() -> argparse.ArgumentParser:

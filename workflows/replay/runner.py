@@ -52,6 +52,7 @@ from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.types import Draft, DraftContext, VerifyResult
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, ReplayTurn, load_sessions
+from workflows.report.markdown import markdown_table
 
 METHODS = ("agentspec", "suffix", "suffix_python", "suffix_chain", "arctic_suffix",
            "prompt_lookup", "oracle", "none")
@@ -386,11 +387,10 @@ COLUMNS = (("method", "method"), ("mean_accepted_len", "acc len"),
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the result rows."""
-    head = "| " + " | ".join(h for _, h in COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    rows = ["| " + " | ".join("-" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS) + " |"
-            for r in results]
+    table = markdown_table([h for _, h in COLUMNS], [
+        ["-" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS] for r in results
+    ])
     first = results[0] if results else {}
     foot = (f"\n{first.get('sessions', 0)} sessions, {first.get('turns', 0)} turns, "
             f"{first.get('tokens', 0)} output tokens")
-    return "\n".join([head, rule, *rows]) + foot
+    return table + foot

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.errors import BenchmarkError
+from workflows.report.markdown import markdown_table
 
 BASELINE = "greedy"  # the method every speed-up is relative to
 MISSING = "–"
@@ -99,13 +100,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         + [render(r.get(key)) for _, key, render in COLUMNS]
         for r in results
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep, *(line(row) for row in rows)])
+    return markdown_table(headers, rows)
 
 
 def quality_table(turns: Sequence[dict[str, Any]], workload: str) -> str | None:
@@ -125,11 +120,9 @@ def quality_table(turns: Sequence[dict[str, Any]], workload: str) -> str | None:
     keys = sorted({k for per_method in sums.values() for k in per_method})
     if not keys:
         return None
-    lines = ["| method | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for method, per_key in sums.items():
-        cells = [_mean(per_key.get(k)) for k in keys]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(["method", *keys], [
+        [method, *(_mean(per_key.get(k)) for k in keys)] for method, per_key in sums.items()
+    ])
 
 
 def _mean(values: list[float] | None) -> str:

@@ -56,14 +56,14 @@ from agentspec.drafters.suffix.levels import (
     Pool,
     Request,
     lazy_levels,
-    novel_start,
     scope_key,
     visible_keys,
 )
 from agentspec.interfaces import TurnStore
+from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
-__all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "novel_start", "scope_key",
+__all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "scope_key",
            "visible_keys"]
 
 
@@ -409,7 +409,7 @@ class SuffixDrafter:
     def _novel(self, prev: Sequence[int], tokens: list[int]) -> list[int]:
         """What a turn adds to its session's previous one, with ``max_depth`` tokens of
         left context so its start is matched in context."""
-        start = max(0, novel_start(prev, tokens) - self.config.max_depth)
+        start = max(0, common_prefix(prev, tokens) - self.config.max_depth)
         return tokens[start:][-self.config.max_scope_tokens :]
 
     def _index_new(self, pool: Pool, session_id: str, new: list[int], lazy: bool) -> None:
