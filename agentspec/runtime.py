@@ -23,7 +23,7 @@ from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine
 from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
-from agentspec.storage.sessions import persist_turn
+from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
@@ -63,7 +63,7 @@ class Runtime:
         dtype: str = "float32",
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
-        store_config: Any | None = None,
+        store_config: StoreConfig | None = None,
     ) -> Runtime:
         """Load a model and open the session store.
 
