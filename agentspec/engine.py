@@ -288,13 +288,13 @@ class SpeculativeDecoder:
         rng = self._request_rng(sampling)
         # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
         # draws, which must come from the request's generator (same seed, same output).
-        for part in self._request_parts():
-            if isinstance(part, RequestAware):
-                part.begin_request(session, rng)
-        learner = self._learner()
         # Stateful drafters key per-request state by this id (concurrent requests of one
         # session must not share it).
         rid = f"engine-{next(_REQUEST_IDS)}"
+        for part in self._request_parts():
+            if isinstance(part, RequestAware):
+                part.begin_request(session, rng, request_id=rid)
+        learner = self._learner()
         stats = RequestStats(prompt_tokens=len(prompt))
         checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
         t_start = time.perf_counter()

@@ -245,9 +245,14 @@ class RequestAware(Protocol):
     """A drafter or verifier with request-scoped state (optional): the ASD regret budget,
     a sampling drafter's generator. The engine calls this before each request's prefill."""
 
-    def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
+    def begin_request(
+        self, session: SessionRef | None, rng: torch.Generator | None,
+        request_id: str | None = None,
+    ) -> None:
         """A request of ``session`` starts; ``rng`` is its seeded generator (``None``
-        for greedy requests)."""
+        for greedy requests). ``request_id`` is the id its contexts will carry
+        (:attr:`~agentspec.types.DraftContext.state_key`: keep the request's state under
+        it)."""
         ...
 
 

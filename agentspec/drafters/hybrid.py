@@ -244,9 +244,11 @@ class HybridDrafter:
         self._policies.move_to_end(tenant)
         return pol
 
-    def begin_request(self, session: SessionRef | None, rng: Any) -> None:
+    def begin_request(
+        self, session: SessionRef | None, rng: Any, request_id: str | None = None
+    ) -> None:
         """Forward the request start to the sub-drafters that take it (this drafter's own
         request state starts with the request's first :meth:`propose`)."""
         for part in (self.cache, self.model):
             if isinstance(part, RequestAware):
-                part.begin_request(session, rng)
+                part.begin_request(session, rng, request_id=request_id)

@@ -70,10 +70,13 @@ class IIDDrafts:
         """Forward the request's end to the drafter."""
         self.drafter.finish(ctx)
 
-    def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
+    def begin_request(
+        self, session: SessionRef | None, rng: torch.Generator | None,
+        request_id: str | None = None,
+    ) -> None:
         """Forward the request's start (and its seeded generator) to the drafter."""
         if isinstance(self.drafter, RequestAware):
-            self.drafter.begin_request(session, rng)
+            self.drafter.begin_request(session, rng, request_id=request_id)
 
     @property
     def wants_features(self) -> bool:

@@ -163,7 +163,8 @@ class BudgetedVerifier:
         return max(self.config.budget - self.spent, 0.0)
 
     def begin_request(
-        self, session: SessionRef | None, rng: torch.Generator | None = None
+        self, session: SessionRef | None, rng: torch.Generator | None = None,
+        request_id: str | None = None,
     ) -> None:
         """Begin a request of ``session``: reset the running totals, open the account."""
         self.session = session

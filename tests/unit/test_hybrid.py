@@ -66,7 +66,8 @@ class Recorder:
         self.calls["finish"] += 1
         self.inner.finish(ctx)  # type: ignore[attr-defined]
 
-    def begin_request(self, session: SessionRef | None, rng: object) -> None:
+    def begin_request(self, session: SessionRef | None, rng: object,
+                      request_id: str | None = None) -> None:
         self.calls["begin_request"] += 1
 
 

@@ -24,7 +24,8 @@ cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from agentspec.errors import ConfigError
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys, sample
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
+
+_MAX_REQUESTS = 256  # request generators kept (requests that never finish age out)
 
 __all__ = ["ModelDrafter", "ModelDrafterConfig"]
 
@@ -95,7 +98,10 @@ class ModelDrafter:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
         self.forwards = 0  # drafter forward passes, for cost accounting
         self._rng = torch.Generator().manual_seed(self.config.seed)
-        self._request_rng: torch.Generator | None = None
+        # Each request's generator, keyed by DraftContext.state_key (bounded: requests that
+        # never finish age out). The KV cache below is the model's, not a request's: it is
+        # re-synced (cropped to the common prefix) with whatever context comes next.
+        self._rngs: OrderedDict[Hashable, torch.Generator] = OrderedDict()
         self._cache: Any = None
         self._cached: list[int] = []  # tokens whose keys/values the cache holds
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
@@ -139,7 +145,7 @@ class ModelDrafter:
                 if noise is not None:  # the keyed sample of the drafter's law (coupling)
                     tok = int(keyed_choice(dist[None], noise[i : i + 1])[0])
                 else:
-                    tok = int(sample(dist, self._request_rng or self._rng))
+                    tok = int(sample(dist, self._rngs.get(ctx.state_key, self._rng)))
                 rows.append(dist)
             tokens.append(tok)
             if i < k - 1:  # the last token's successor is never needed
@@ -198,22 +204,31 @@ class ModelDrafter:
             for j in range(num_drafts)
         ]
 
-    def begin_request(self, session: SessionRef | None, rng: torch.Generator | None) -> None:
+    def begin_request(
+        self, session: SessionRef | None, rng: torch.Generator | None,
+        request_id: str | None = None,
+    ) -> None:
         """Draw this request's sampled drafts from its generator ``rng`` (the engine calls
         this). Lossless sampling needs drafts that are fresh draws from ``q`` for every
         request, and reproducibility needs them to depend on the request's seed only:
         both hold when drafts and verification share the request's seeded generator.
-        Without one (greedy requests) the drafter's own generator restarts from its seed.
+        Without one (greedy requests) the request gets a generator seeded with the
+        drafter's own seed.
         """
-        self._request_rng = rng
-        if rng is None:
-            self._rng.manual_seed(self.config.seed)
+        key = ("id", request_id) if request_id is not None else ("session", session)
+        self._rngs[key] = rng if rng is not None else torch.Generator().manual_seed(
+            self.config.seed)
+        self._rngs.move_to_end(key)
+        while len(self._rngs) > _MAX_REQUESTS:
+            self._rngs.popitem(last=False)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Nothing to do: the next :meth:`propose` syncs the cache with the new context."""
 
     def finish(self, ctx: DraftContext) -> None:
-        """Nothing to do: a new request's context is synced (cropped) on first use."""
+        """Drop the request's generator; a new request's context is synced (cropped) on
+        first use."""
+        self._rngs.pop(ctx.state_key, None)
 
     def reset(self) -> None:
         """Drop the KV cache."""

@@ -162,8 +162,12 @@ class EagleDrafter:
     def finish(self, ctx: DraftContext) -> None:
         """Nothing: the next request's prefill features reset the head's cache."""
 
-    def begin_request(self, session: SessionRef | None, rng: Any) -> None:
-        """Nothing until the prefill's features arrive (drafts are greedy)."""
+    def begin_request(
+        self, session: SessionRef | None, rng: Any, request_id: str | None = None
+    ) -> None:
+        """Nothing until the prefill's features arrive (drafts are greedy). The head's
+        feature stream is the one request's the engine is decoding: keying it per request
+        would need the request id in ``observe_features`` too."""
         self._in_sync = False
 
     def _catch_up(self, tokens: Any) -> torch.Tensor | None:
