@@ -31,6 +31,7 @@ from agentspec.interfaces import (
     TreeTarget,
     Verifier,
 )
+from agentspec.penalties import PenaltyState, chain_prefixes, tree_prefixes
 from agentspec.sampling import default_generator
 from agentspec.tokens import cut_at_stop
 from agentspec.types import (
@@ -276,6 +277,11 @@ class SpeculativeDecoder:
             constraint: The request's output grammar (fresh per request): every verified
                 row is masked by it and draft tokens it forbids end the accepted prefix.
 
+        Penalties in ``sampling`` (frequency, presence, repetition) are applied to every
+        verified row with the counts of the tokens before it, draft tokens of its own
+        prefix included (:mod:`agentspec.penalties`): the output is that of penalised
+        decoding without drafts.
+
         Raises:
             ConfigError: empty prompt or ``max_tokens < 1``, or a constraint given to an
                 engine that cannot honour one.
@@ -286,6 +292,9 @@ class SpeculativeDecoder:
         if constraint is not None and not self.supports_constraints:
             raise ConfigError(f"{type(self).__name__} cannot decode under a grammar constraint")
         rng = self._request_rng(sampling)
+        # Request-scoped counts of the committed tokens, updated after every step.
+        penalties = (PenaltyState(sampling, self.target.vocab_size, prompt)
+                     if sampling.penalised else None)
         # Request-scoped state: the ASD regret budget (verifier) and a sampling drafter's
         # draws, which must come from the request's generator (same seed, same output).
         # Stateful drafters key per-request state by this id (concurrent requests of one
@@ -314,7 +323,8 @@ class SpeculativeDecoder:
                                sampling)
             room = max_tokens - len(generated) - 1  # the verifier always adds one token
             t0 = time.perf_counter()
-            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng, constraint)
+            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng, constraint,
+                              penalties)
             result = step.result
             if link is not None:  # pending + accepted rows: the positions now committed
                 rows = link[1]()  # [k+1, H]
@@ -325,6 +335,8 @@ class SpeculativeDecoder:
             block, finish = checker.cut(generated, result.tokens)
             generated.extend(block)
             context.extend(block)
+            if penalties is not None:
+                penalties.commit(block)
             stats.forwards += 1
             stats.draft_s += step.draft_s
             stats.verify_s += t2 - t0 - step.draft_s
@@ -358,11 +370,13 @@ class SpeculativeDecoder:
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
         rng: torch.Generator | None, grammar: Constraint | None = None,
+        penalties: PenaltyState | None = None,
     ) -> Step:
         """Draft, score and verify one step; leave the cache holding pending + accepted.
 
-        Everything request-scoped (``sampling``, ``rng``, the ``grammar``) comes in as an
-        argument: the engine holds no request's state between calls.
+        Everything request-scoped (``sampling``, ``rng``, the ``grammar``, the
+        ``penalties``' counts) comes in as an argument: the engine holds no request's state
+        between calls.
         """
         t0 = time.perf_counter()
         # Row 0 of the verify logits predicts output position len(generated): keyed
@@ -375,9 +389,11 @@ class SpeculativeDecoder:
         if draft.is_tree and not self._tree_ok(sampling):
             draft = draft.first_branch()
         if draft.is_tree:
-            result = self._verify_tree(pending, draft)
+            result = self._verify_tree(pending, draft, penalties)
         else:
             logits = self.target.score([pending, *draft.tokens])  # [k+1, V]
+            if penalties is not None:  # row i: committed counts + d_1..d_i
+                penalties.apply(logits, chain_prefixes(draft.tokens))
             if grammar is not None:
                 grammar.mask(logits)
             result = self.verifier.verify(draft, logits, sampling, rng)
@@ -432,20 +448,29 @@ class SpeculativeDecoder:
         if draft.tokens and not 0 <= min(draft.tokens) <= max(draft.tokens) < vocab:
             raise DraftError(f"drafter {draft.source!r} proposed token ids outside [0, {vocab})")
 
-    def _verify_tree(self, pending: int, draft: Draft) -> VerifyResult:
+    def _verify_tree(
+        self, pending: int, draft: Draft, penalties: PenaltyState | None = None
+    ) -> VerifyResult:
         """Verify a tree draft greedily (lossless; see :mod:`agentspec.verifiers.tree`),
         leaving pending + accepted tokens cached: with tree attention in one row when the
-        target has it, else one batch row per branch (``max_branches`` longest)."""
+        target has it, else one batch row per branch (``max_branches`` longest). Each row
+        is penalised by the draft tokens on its own path."""
         target = self.target
         if isinstance(target, TreeTarget):
             tokens, parents = tree_rows(draft, pending)
             logits = target.score_tree(tokens, parents)  # [k+1, V]
+            if penalties is not None:  # row n + 1: counts + node n's ancestors
+                ancestors = tree_prefixes(draft.tokens, [p - 1 for p in parents[1:]])
+                penalties.apply(logits, ancestors)
             path, token = greedy_tree_accept(tokens, parents, logits)
             target.keep_tree_path([i + 1 for i in path])
             return VerifyResult([*(draft.tokens[i] for i in path), token], len(path), path)
         assert isinstance(target, BatchTarget)  # _tree_ok
         rows, paths = branch_rows(draft, pending, self.config.max_branches)
         logits = target.score_batch(rows)  # [K, k+1, V]
+        if penalties is not None:  # each batch row is a chain of its own
+            for j, row_tokens in enumerate(rows):
+                penalties.apply(logits[j], chain_prefixes(row_tokens[1:]))
         row, n, token = greedy_branch_accept(rows, logits)
         target.select_row(row)
         self.target.rollback(len(rows[row]) - 1 - n)

@@ -32,6 +32,7 @@ from agentspec.interfaces import (
     FeatureTarget,
     MultiDrafter,
 )
+from agentspec.penalties import PenaltyState, chain_prefixes
 from agentspec.sampling import default_generator
 from agentspec.types import Draft, DraftContext, SamplingParams, VerifyResult
 from agentspec.verifiers.keyed import KeyedVerifier
@@ -99,6 +100,7 @@ class MultiDraftDecoder(SpeculativeDecoder):
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,
         rng: torch.Generator | None, grammar: Constraint | None = None,
+        penalties: PenaltyState | None = None,
     ) -> Step:
         """K drafts, one batched forward, one verification (see the module docstring);
         ``grammar`` is always ``None`` here (``supports_constraints`` is False)."""
@@ -108,7 +110,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
         drafts = [replace(d, position=position)
                   for d in self._propose_many(ctx, max_draft, rng)]
         draft_s = time.perf_counter() - t0
-        result, k, source = self._verify(ctx.tokens[-1], drafts, sampling, rng, position)
+        result, k, source = self._verify(ctx.tokens[-1], drafts, sampling, rng, position,
+                                         penalties)
         return Step(result, k, source, draft_s)
 
     def _propose_many(
@@ -126,15 +129,21 @@ class MultiDraftDecoder(SpeculativeDecoder):
 
     def _verify(
         self, pending: int, drafts: list[Draft], sampling: SamplingParams,
-        rng: torch.Generator, position: int = 0,
+        rng: torch.Generator, position: int = 0, penalties: PenaltyState | None = None,
     ) -> tuple[VerifyResult, int, str]:
-        """Score and verify one step; leave the cache holding pending + accepted tokens."""
+        """Score and verify one step; leave the cache holding pending + accepted tokens
+        (rows penalised by their own draft prefix, see :mod:`agentspec.penalties`)."""
         if not drafts:  # plain decoding step
             logits = self.target.score([pending])  # [1, V]
+            if penalties is not None:
+                penalties.apply(logits, [[]])
             plain = Draft(position=position)
             return self.multi_verifier.verify(plain, logits, sampling, rng), 0, "none"
         k = len(drafts[0].tokens)
         logits = self.batch_target.score_batch([[pending, *d.tokens] for d in drafts])
+        if penalties is not None:  # [K, k+1, V]: draft j's row i follows d_j[:i]
+            for j, d in enumerate(drafts):
+                penalties.apply(logits[j], chain_prefixes(d.tokens))
         out = self.multi_verifier.verify_many(drafts, logits, sampling, rng)  # [K, k+1, V]
         self.batch_target.select_row(out.draft_index)
         self.target.rollback(k - out.result.num_accepted)

@@ -29,12 +29,23 @@ class SamplingParams:
         top_p: Nucleus mass kept when sampling (1.0 keeps everything).
         top_k: Number of most likely tokens kept when sampling (0 keeps everything).
         seed: Seed of the request's random generator (sampling only).
+        frequency_penalty: OpenAI's: each logit minus this times the token's count among
+            the generated tokens, in ``[-2, 2]`` (0: off).
+        presence_penalty: OpenAI's: each logit of a token already generated minus this,
+            in ``[-2, 2]`` (0: off).
+        repetition_penalty: vLLM's / transformers' (Ollama's ``repeat_penalty``): the logit
+            of a token in the prompt or the output is divided by this when positive and
+            multiplied by it otherwise; > 0, 1 is off. Applied before the other two, as in
+            vLLM. See :mod:`agentspec.penalties`.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -43,11 +54,25 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise ConfigError(f"{name} must be in [-2, 2], got {value!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ConfigError(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         """True when decoding is deterministic argmax."""
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """True when a frequency, presence or repetition penalty changes the logits."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 # fullmatch, never ``match`` with ``$``: ``$`` also matches before a final newline, and an id
