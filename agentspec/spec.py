@@ -87,6 +87,11 @@ class VerifierPolicy(BaseModel):
             sampling, greedy ``block`` verification (GBV, the default) or
             ``multi_draft`` (SpecTr-GBV-style over ``num_drafts`` i.i.d. drafts).
         num_drafts: K, the drafts verified together by ``multi_draft``.
+        frequency_penalty: OpenAI's frequency penalty in ``[-2, 2]`` (0: off).
+        presence_penalty: OpenAI's presence penalty in ``[-2, 2]`` (0: off).
+        repetition_penalty: vLLM's / Ollama's repetition penalty, > 0 (1: off). Penalties
+            are applied inside the speculative loop, so lossless output is that of
+            penalised decoding without drafts (:mod:`agentspec.penalties`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -102,6 +107,9 @@ class VerifierPolicy(BaseModel):
     seed: int | None = None
     sampler: Sampler = "block"
     num_drafts: int = Field(default=1, ge=1, le=16)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> VerifierPolicy:
@@ -120,7 +128,11 @@ class VerifierPolicy(BaseModel):
 
     def sampling(self) -> SamplingParams:
         """The sampling parameters of this policy."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.seed)
+        return SamplingParams(
+            self.temperature, self.top_p, self.top_k, self.seed,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+        )
 
 
 class AgentSpec(BaseModel):

@@ -38,6 +38,8 @@ from adapters.langchain.request import (
 from adapters.langchain.runtimes import shared_runtime, shared_tokenizer
 from adapters.langchain.structured import (
     MAX_TOKENS_ALIASES,
+    PENALTIES,
+    PENALTY_ALIASES,
     StructuredMethod,
     check_call_args,
     structured_runnable,
@@ -105,6 +107,12 @@ class ChatAgentSpec(BaseChatModel):
         store: ``True``: persist sessions under ``AGENTSPEC_HOME``; a path: that SQLite
             file; ``False``: keep session caches in memory only.
         seed: Seed of the sampling generator (overrides the agent spec's; sampling only).
+        frequency_penalty: OpenAI's frequency penalty in ``[-2, 2]`` (overrides the agent
+            spec's when set).
+        presence_penalty: OpenAI's presence penalty in ``[-2, 2]`` (same).
+        repetition_penalty: vLLM's repetition penalty, > 0, 1 is off (alias
+            ``repeat_penalty``, Ollama's name). Penalties are applied inside the
+            speculative loop: the output is that of penalised decoding without drafts.
         return_token_ids: Put the generated token ids in ``response_metadata``.
         runtime: A runtime to use instead of the shared one (advanced; not serialised).
         model_kwargs: Further call arguments (langchain-openai's convention: unknown
@@ -129,6 +137,9 @@ class ChatAgentSpec(BaseChatModel):
     tenant: str = "default"
     store: bool | str = True
     seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     return_token_ids: bool = False
     # Any ChatRuntime (agentspec's Runtime, the vLLM backend); not validated by pydantic.
     runtime: SkipValidation[ChatRuntime | None] = Field(default=None, exclude=True)
@@ -151,6 +162,12 @@ class ChatAgentSpec(BaseChatModel):
                     raise ConfigError(f"{alias}={value!r} conflicts with "
                                       f"max_tokens={values['max_tokens']!r}")
                 values["max_tokens"] = value
+        for alias, name in PENALTY_ALIASES.items():
+            if alias in values:
+                value = values.pop(alias)
+                if values.get(name) not in (None, value):
+                    raise ConfigError(f"{alias}={value!r} conflicts with {name}={values[name]!r}")
+                values[name] = value
         values = _build_model_kwargs(values, get_pydantic_field_names(cls))
         check_call_args(values["model_kwargs"])
         return values
@@ -314,6 +331,13 @@ class ChatAgentSpec(BaseChatModel):
             overrides["temperature"] = float(temperature)
         if self.seed is not None and self.seed != spec.verifier.seed:
             overrides["seed"] = self.seed
+        for name in PENALTIES:  # call argument, else the model's field, else the spec's
+            alias = next((a for a, n in PENALTY_ALIASES.items() if n == name), None)
+            value = kwargs.get(name, kwargs.get(alias) if alias else None)
+            if value is None:
+                value = getattr(self, name)
+            if value is not None and value != getattr(spec.verifier, name):
+                overrides[name] = float(value)
         if overrides:
             spec = _with_verifier(spec, overrides)
         max_tokens = token_limit(kwargs)

@@ -12,10 +12,12 @@ reply always parses:
   arguments following the schema.
 
 Constructor arguments the model does not define go to ``model_kwargs`` with
-langchain-openai's warning; those that cannot be honoured (``logit_bias``, penalties,
-``n > 1``...) then raise a ``ConfigError`` (a ``ValueError``) naming them, at construction
+langchain-openai's warning; those that cannot be honoured (``logit_bias``, ``n > 1``...)
+then raise a ``ConfigError`` (a ``ValueError``) naming them, at construction
 and on every call, instead of being ignored. ``max_completion_tokens`` (OpenAI) and
-``num_predict`` (Ollama) are aliases of ``max_tokens``.
+``num_predict`` (Ollama) are aliases of ``max_tokens``; ``repeat_penalty`` (Ollama) is an
+alias of ``repetition_penalty``. The penalties (``frequency_penalty``, ``presence_penalty``,
+``repetition_penalty``) are honoured inside the speculative loop, as call arguments too.
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ StructuredMethod = Literal["json_schema", "json_mode", "function_calling"]
 
 #: Aliases of ``max_tokens`` accepted as constructor, ``model_kwargs`` or call arguments.
 MAX_TOKENS_ALIASES = ("max_completion_tokens", "num_predict")
+#: Penalties honoured as constructor and call arguments (``repeat_penalty``: Ollama's name
+#: of ``repetition_penalty``).
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+PENALTY_ALIASES = {"repeat_penalty": "repetition_penalty"}
 #: Call arguments ChatAgentSpec honours (besides the ``max_tokens`` aliases).
 CALL_ARGS = frozenset({
     "tools", "tool_choice", "temperature", "max_tokens", "timeout", "session_id", "model",
-    "response_format", "stop", "parallel_tool_calls",
+    "response_format", "stop", "parallel_tool_calls", *PENALTIES, *PENALTY_ALIASES,
     # set by LangChain itself for tracing (with_structured_output, bind_tools)
     "ls_structured_output_format",
     # LangChain's standard credential argument: the embedded model has no endpoint to
@@ -54,9 +60,6 @@ UNSUPPORTED = {
     "logit_bias": "logit bias is not supported",
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
-    "presence_penalty": "penalties would change greedy output",
-    "frequency_penalty": "penalties would change greedy output",
-    "repeat_penalty": "penalties would change greedy output",
     "n": "one generation per call only",
     "top_k": "set top_k in the agent spec's verifier policy",
     "top_p": "set top_p in the agent spec's verifier policy",

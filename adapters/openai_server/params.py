@@ -8,6 +8,8 @@ other than the parameter's "off" value is answered with a 400 in OpenAI's error 
 argument supplied"), since an unknown field the server drops is a silent no-op too.
 ``tests/unit/test_server_params.py`` checks the table against the ``openai`` package's
 request type, so a parameter OpenAI adds fails the test until it is classified here.
+:data:`EXTRA_PARAMS` are the non-OpenAI parameters the server also honours (vLLM's
+sampling extras, sent by the ``openai`` client through ``extra_body``).
 """
 
 from __future__ import annotations
@@ -79,8 +81,14 @@ PARAMS: dict[str, Param] = {
     "logprobs": _rej("log probabilities are not returned"),
     "top_logprobs": _rej("log probabilities are not returned"),
     "logit_bias": _rej("logit bias is not supported"),
-    "presence_penalty": _rej("penalties would change greedy output"),
-    "frequency_penalty": _rej("penalties would change greedy output"),
+    "presence_penalty": _impl(
+        "in [-2, 2]: minus this from the logit of every token already generated, applied "
+        "to each verified row with its own draft prefix (output = penalised plain decoding)"
+    ),
+    "frequency_penalty": _impl(
+        "in [-2, 2]: minus this times the token's count among the generated tokens, "
+        "applied inside the speculative loop as presence_penalty"
+    ),
     "store": _rej("completions are not stored for later retrieval"),
     "metadata": _rej("metadata only tags stored completions, which this server has none of"),
     "modalities": _rej("text output only", lambda v: _off(v) or v == ["text"]),
@@ -99,6 +107,15 @@ PARAMS: dict[str, Param] = {
 }
 
 
+#: Parameters outside OpenAI's API that the server honours, as vLLM's server does.
+EXTRA_PARAMS: dict[str, Param] = {
+    "repetition_penalty": _impl(
+        "vLLM's extra parameter (Ollama's repeat_penalty), > 0, 1 is off: logits of tokens "
+        "in the prompt or the output are divided by it when positive, multiplied otherwise"
+    ),
+}
+
+
 def check_params(body: dict[str, Any]) -> None:
     """Raise a 400 naming the first parameter the server would otherwise ignore.
 
@@ -106,7 +123,7 @@ def check_params(body: dict[str, Any]) -> None:
         APIError: an unknown parameter, or a rejected one set to a value that matters.
     """
     for name, value in body.items():
-        param = PARAMS.get(name)
+        param = PARAMS.get(name) or EXTRA_PARAMS.get(name)
         if param is None:
             raise bad_request(f"Unrecognized request argument supplied: {name}", name,
                               "unsupported_parameter")

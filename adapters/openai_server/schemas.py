@@ -125,8 +125,10 @@ class ChatCompletionRequest(_Lenient):
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     n: int | None = Field(default=None, ge=1, le=1)
     logprobs: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # OpenAI's ranges; repetition_penalty is vLLM's extra parameter (> 0, 1 is off).
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -152,9 +154,6 @@ class ChatCompletionRequest(_Lenient):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.logprobs:
             raise ValueError("logprobs are not supported by this server")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported (it would change greedy output)")
         return self
 
     def stop_list(self) -> list[str]:

@@ -111,7 +111,10 @@ def session_id_for(request: ChatCompletionRequest, header: str | None) -> str | 
 def _spec_for(base: AgentSpec, request: ChatCompletionRequest) -> AgentSpec:
     updates = {
         k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p),
-                          ("seed", request.seed)) if v is not None
+                          ("seed", request.seed),
+                          ("frequency_penalty", request.frequency_penalty),
+                          ("presence_penalty", request.presence_penalty),
+                          ("repetition_penalty", request.repetition_penalty)) if v is not None
     }
     if not updates:
         return base

@@ -228,7 +228,12 @@ class VLLMRuntime:
             extra["structured_outputs"] = StructuredOutputsParams(**structured)
         return VLLMSampling(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=sampling.seed, max_tokens=max_tokens, stop=list(stop) or None, **extra,
+            seed=sampling.seed, max_tokens=max_tokens, stop=list(stop) or None,
+            # Same semantics as agentspec's engine (vLLM's are the reference): vLLM applies
+            # them to its speculative rows itself.
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            repetition_penalty=sampling.repetition_penalty, **extra,
         )
 
     # ------------------------------------------------------------------ Runtime surface

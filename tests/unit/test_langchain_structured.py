@@ -90,7 +90,25 @@ def test_max_tokens_aliases(alias: str) -> None:
         ChatAgentSpec(runtime=rt, max_tokens=5, **{alias: 6})
 
 
-@pytest.mark.parametrize("name,value", [("logit_bias", {"5": 3}), ("presence_penalty", 0.5),
+def test_penalties_reach_the_runtime() -> None:
+    # Constructor fields (repeat_penalty: Ollama's alias), overridden per call.
+    llm, rt = _llm("hi", frequency_penalty=0.5, repeat_penalty=1.1)
+    assert llm.repetition_penalty == 1.1
+    llm.invoke("x")
+    llm.invoke("x", presence_penalty=0.3, repetition_penalty=1.3)
+    llm.invoke("x", repeat_penalty=1.05)
+    got = [(c["spec"].verifier.frequency_penalty, c["spec"].verifier.presence_penalty,
+            c["spec"].verifier.repetition_penalty) for c in rt.calls]
+    assert got == [(0.5, 0.0, 1.1), (0.5, 0.3, 1.3), (0.5, 0.0, 1.05)]
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        ChatAgentSpec(runtime=rt, frequency_penalty=3.0)
+    with pytest.raises(ValueError, match="conflicts"):
+        ChatAgentSpec(runtime=rt, repetition_penalty=1.2, repeat_penalty=1.1)
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        llm.invoke("x", repetition_penalty=0.0)
+
+
+@pytest.mark.parametrize("name,value", [("logit_bias", {"5": 3}), ("top_k", 5),
                                         ("n", 2), ("logprobs", True), ("frobnicate", 1)])
 def test_unhonourable_arguments_raise(name: str, value: Any) -> None:
     with warnings.catch_warnings(record=True) as caught:

@@ -135,3 +135,30 @@ def test_unserved_openai_routes_get_openai_error_body(route: tuple[str, str]) ->
     assert resp.json() == {"error": {"message": f"Invalid URL ({method} {path})",
                                      "type": "invalid_request_error", "param": None,
                                      "code": None}}
+
+
+def test_penalties_reach_the_runtime() -> None:
+    # OpenAI's two penalties and vLLM's repetition_penalty (an extra body field) become
+    # the request's verifier policy; the runtime applies them inside the speculative loop.
+    client, rt = _client()
+    resp = client.post("/v1/chat/completions", json=_body(
+        frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1))
+    assert resp.status_code == 200, resp.text
+    sampling = rt.calls[0]["spec"].verifier.sampling()
+    assert (sampling.frequency_penalty, sampling.presence_penalty,
+            sampling.repetition_penalty) == (0.5, -0.25, 1.1)
+    client.post("/v1/chat/completions", json=_body())
+    assert not rt.calls[1]["spec"].verifier.sampling().penalised  # default: off
+
+
+@pytest.mark.parametrize("name,value", [
+    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", 3),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", "high"),
+])
+def test_penalty_out_of_range_is_a_400_naming_it(name: str, value: Any) -> None:
+    client, rt = _client()
+    resp = client.post("/v1/chat/completions", json=_body(**{name: value}))
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == name and name in err["message"], err
+    assert not rt.calls

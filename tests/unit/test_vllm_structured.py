@@ -65,3 +65,16 @@ def test_sampling_params_carry_structured_outputs(monkeypatch: pytest.MonkeyPatc
     assert params.max_tokens == 8 and params.stop == ["</tool_call>"]
     plain = rt._sampling_params(SamplingParams(), 8, [])
     assert not hasattr(plain, "structured_outputs")
+
+
+def test_sampling_params_carry_penalties(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    rt = VLLMRuntime.__new__(VLLMRuntime)
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.1)
+    params = rt._sampling_params(sp, 8, [])
+    assert (params.frequency_penalty, params.presence_penalty,
+            params.repetition_penalty) == (0.5, 0.2, 1.1)
+    off = rt._sampling_params(SamplingParams(), 8, [])
+    assert (off.frequency_penalty, off.presence_penalty, off.repetition_penalty) == (0, 0, 1)
