@@ -1,9 +1,16 @@
 """Where grammars come from: JSON schemas, OpenAI ``response_format`` and tool schemas,
 turned into llguidance Lark text for :class:`agentspec.chat.grammar.GrammarCompiler`.
 
-JSON is laid out the way the prompt shows it (``", "`` between items, ``": "`` after
-keys, no other whitespace): a small model then meets the separators it expects, cannot
-stall in a run of spaces, and a session's suffix cache sees the same bytes every turn.
+Tool-call JSON is laid out the way the prompt shows it (``", "`` between items, ``": "``
+after keys, no other whitespace): a small model then meets the separators it expects,
+cannot stall in a run of spaces, and a session's suffix cache sees the same bytes every
+turn. ``response_format`` JSON allows the model's own layout instead (:data:`FLEXIBLE_JSON`):
+instruction-tuned models pretty-print JSON (newlines, two-space indents), and a grammar that
+forces the compact layout pushes them off the token sequences they were trained on (a
+measured cause of unclosed arrays, see ``docs/structured-outputs.md``). Whitespace between
+JSON tokens is then one optional line break and at most 32 spaces or tabs: every common
+pretty-printed layout and the compact one pass, and no run of whitespace can fill the
+length limit.
 
 Tool calls use the chat format of :mod:`agentspec.chat.templates`:
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A forced call (``tool_choice``
@@ -27,23 +34,35 @@ JSON_STYLE: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
+#: llguidance JSON options for ``response_format``: llguidance's flexible whitespace
+#: (``whitespace_flexible``, i.e. ``[ \n\r\t]+`` between tokens) bounded to one line break
+#: plus indentation, so compact, ``", "``-separated and indented layouts are all valid.
+FLEXIBLE_JSON: dict[str, Any] = {
+    "whitespace_pattern": r"(?:\x0D?\x0A)?[\x20\x09]{0,32}",
+}
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _json_rule(schema: dict[str, Any], lenient: bool = False) -> str:
-    """A Lark ``%json`` rule body for ``schema`` in the project's JSON layout."""
+def _json_rule(schema: dict[str, Any], lenient: bool = False, flexible: bool = False) -> str:
+    """A Lark ``%json`` rule body for ``schema``: the project's compact layout, or with
+    ``flexible`` the model's own whitespace (:data:`FLEXIBLE_JSON`)."""
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    style = dict(JSON_STYLE, lenient=True) if lenient else JSON_STYLE
+    style = FLEXIBLE_JSON if flexible else JSON_STYLE
+    if lenient:
+        style = dict(style, lenient=True)
     try:
         return "%json " + json.dumps({**schema, "x-guidance": style}, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"JSON schema is not serialisable: {exc}") from exc
 
 
-def json_grammar(schema: dict[str, Any] | None = None) -> str:
-    """Grammar of one JSON value following ``schema`` (``None``: any JSON object)."""
-    return "start: " + _json_rule(schema if schema is not None else {"type": "object"})
+def json_grammar(schema: dict[str, Any] | None = None, flexible: bool = False) -> str:
+    """Grammar of one JSON value following ``schema`` (``None``: any JSON object);
+    ``flexible`` allows the model's own whitespace between tokens (:data:`FLEXIBLE_JSON`),
+    otherwise the compact ``", "`` / ``": "`` layout is the only one."""
+    rule = _json_rule(schema if schema is not None else {"type": "object"}, flexible=flexible)
+    return "start: " + rule
 
 
 def response_format_grammar(response_format: Any) -> str | None:
@@ -52,6 +71,7 @@ def response_format_grammar(response_format: Any) -> str | None:
     ``{"type": "json_object"}`` allows any JSON object; ``{"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` the schema's documents
     (enforced whether or not ``strict`` is set: constrained decoding costs nothing extra).
+    Both allow the model's own whitespace (pretty-printed or compact JSON).
 
     Raises:
         GrammarError: an unknown type or a ``json_schema`` without a schema object.
@@ -66,7 +86,7 @@ def response_format_grammar(response_format: Any) -> str | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return json_grammar(None)
+        return json_grammar(None, flexible=True)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -75,7 +95,7 @@ def response_format_grammar(response_format: Any) -> str | None:
                 "response_format.json_schema.schema must be a JSON schema object, got "
                 f"{schema!r}"
             )
-        return json_grammar(schema)
+        return json_grammar(schema, flexible=True)
     raise GrammarError(
         f"response_format.type {kind!r} is not supported; use 'text', 'json_object' or "
         "'json_schema'"

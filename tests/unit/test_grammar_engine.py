@@ -205,10 +205,10 @@ def test_runtime_picks_the_request_grammar() -> None:
     obj = {"type": "json_object"}
     # A forced call wins over response_format; response_format over the auto tool grammar.
     assert rt.constraint_for([tool], "required", obj, on) == tool_call_grammar([tool], "required")
-    assert rt.constraint_for([tool], "auto", obj, on) == json_grammar(None)
+    assert rt.constraint_for([tool], "auto", obj, on) == json_grammar(None, flexible=True)
     assert rt.constraint_for([tool], None, None, on) == tool_call_grammar([tool], "auto")
     assert rt.constraint_for([tool], "none", None, on) is None
     assert rt.constraint_for([tool], "required", None, off) is None
-    assert rt.constraint_for(None, None, obj, off) == json_grammar(None)
+    assert rt.constraint_for(None, None, obj, off) == json_grammar(None, flexible=True)
     grammar = tool_call_grammar([tool], "add")
     assert grammar is not None and '"additionalProperties": false' in grammar
