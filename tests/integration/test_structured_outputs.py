@@ -1,7 +1,9 @@
 """Structured outputs on the embedded model: constrained + suffix drafting is token-identical
 to constrained greedy without drafts; the server's ``json_schema`` answers follow the
 schema on 20 varied prompts and ``json_object`` answers parse; forced tool calls parse;
-``get_num_tokens`` counts with the model's tokenizer without touching the network."""
+penalised suffix drafting equals penalised decoding without drafts; the model's own
+pretty-printed JSON passes the ``response_format`` grammar; ``get_num_tokens`` counts with
+the model's tokenizer without touching the network."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from server_harness import ServerThread, serving
 from adapters.openai_server import ServerConfig
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy
-from agentspec.types import SessionRef
+from agentspec.types import SamplingParams, SessionRef
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +85,36 @@ def test_constrained_suffix_equals_constrained_greedy(runtimes, kind: str) -> No
         assert set(base.tool_calls[0].arguments) == {"city"}
 
 
+def test_penalised_suffix_equals_penalised_plain(runtimes) -> None:  # type: ignore[no-untyped-def]
+    # A repetition penalty (Ollama's default 1.1) and OpenAI's frequency penalty, applied
+    # inside the speculative loop: the suffix cache drafts the previous answer, its rows
+    # are penalised by their own draft prefix, the output is the plain penalised one.
+    plain, fast = runtimes
+    msgs = [{"role": "user", "content": "Write the word apple twenty times."}]
+    greedy = plain.chat(msgs, max_tokens=48).tokens
+    for sp in (SamplingParams(repetition_penalty=1.1), SamplingParams(frequency_penalty=0.5)):
+        base = plain.chat(msgs, max_tokens=48, sampling=sp)
+        assert base.tokens != greedy  # the penalty acts
+        session = SessionRef(f"penalty-{sp.repetition_penalty}-{sp.frequency_penalty}")
+        first = fast.chat(msgs, max_tokens=48, session=session, sampling=sp)
+        again = fast.chat(msgs, max_tokens=48, session=session, sampling=sp)
+        assert first.tokens == base.tokens and again.tokens == base.tokens
+        assert again.stats.forwards < base.stats.forwards  # drafts were accepted
+
+
+def test_pretty_printed_json_passes_the_response_format_grammar(runtimes) -> None:  # type: ignore[no-untyped-def]
+    # The model's tokenizer's own tokens for indented JSON (newline + indent tokens).
+    plain, _ = runtimes
+    doc = {"name": "apple", "count": 3, "tags": ["red", "sweet"]}
+    for text in (json.dumps(doc, indent=2), json.dumps(doc), json.dumps(doc, indent=4)):
+        constraint = plain.constraint_for(None, None, JSON_SCHEMA, plain.default_spec)
+        assert constraint is not None
+        ids = plain.target.tokenizer.encode(text, add_special_tokens=False)
+        matcher = constraint.matcher  # type: ignore[attr-defined]
+        assert matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
+        assert matcher.is_accepting(), text
+
+
 @pytest.fixture(scope="module")
 def server(runtimes: tuple[Runtime, Runtime]) -> Iterator[ServerThread]:
     with serving(runtimes[1], ServerConfig()) as srv:
@@ -114,9 +146,13 @@ def test_server_json_schema_valid_on_20_prompts(server: ServerThread, runtimes) 
 def test_server_json_object_and_forced_call(server: ServerThread, runtimes) -> None:  # type: ignore[no-untyped-def]
     client = _client(server)
     model = str(runtimes[1].target.name)
+    # Greedy SmolLM2 pretty-prints this answer and then nests `"value": {` objects until
+    # max_tokens (docs/structured-outputs.md, Limits); Ollama's default repeat penalty, sent
+    # as vLLM's extra parameter, closes it.
     out = client.chat.completions.create(
         model=model, max_tokens=200, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Reply with a JSON object with one key."}])
+        messages=[{"role": "user", "content": "Reply with a JSON object with one key."}],
+        extra_body={"repetition_penalty": 1.1})
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content or ""), dict)
     call = client.chat.completions.create(
