@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import openai
 
-    from agentspec import grammar_sources
+    from agentspec.chat import grammar_sources
     from agentspec.runtime import Runtime
 
     flexible_style = dict(grammar_sources.FLEXIBLE_JSON)

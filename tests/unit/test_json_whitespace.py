@@ -11,9 +11,9 @@ import zlib
 
 import pytest
 
+from agentspec.chat.grammar import GrammarCompiler
+from agentspec.chat.grammar_sources import json_grammar, response_format_grammar
 from agentspec.engine import EngineConfig, SpeculativeDecoder
-from agentspec.grammar import GrammarCompiler
-from agentspec.grammar_sources import json_grammar, response_format_grammar
 from agentspec.types import SamplingParams
 from tests.conftest import TINY_VOCAB, CharDecoder
 from tests.unit.test_grammar_engine import Scripted, _draft_fns, alphabet_ids

@@ -15,8 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agentspec.drafters import PromptLookupDrafter, SuffixDrafter
-from agentspec.drafters.session_cache import SuffixConfig
+from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.penalties import PenaltyState, chain_prefixes, penalise_cells, tree_prefixes
@@ -230,8 +229,8 @@ def test_penalised_session_drafters_equal_plain(tiny_target, name) -> None:  # t
 @pytest.mark.parametrize("name", ["freq", "rep", "all"])
 @pytest.mark.parametrize("kind", ["right", "flip", "random"])
 def test_penalised_constrained_drafts_equal_plain(tiny_target, name, kind) -> None:  # type: ignore[no-untyped-def]
-    from agentspec.grammar import GrammarCompiler
-    from agentspec.grammar_sources import json_grammar
+    from agentspec.chat.grammar import GrammarCompiler
+    from agentspec.chat.grammar_sources import json_grammar
     from tests.unit.test_grammar_engine import SCHEMA
 
     alphabet = CharDecoder.alphabet
