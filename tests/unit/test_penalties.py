@@ -24,6 +24,7 @@ from agentspec.verifiers import KeyedVerifier
 from tests.conftest import TINY_VOCAB, CharDecoder
 from tests.unit.test_engine_lossless import ScriptedDrafter
 from tests.unit.test_grammar_engine import Scripted, _draft_fns
+from tests.unit.test_keyed_sampling import engines  # noqa: F401 (a fixture used below)
 from tests.unit.test_tree_drafts import TreeDrafter, _BatchOnly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -275,3 +276,25 @@ def test_penalised_seeded_sampling_equals_its_plain_run(tiny_target, name) -> No
             assert engine.generate(prompt, 30, sampling=sp).tokens == expected, (seed, kind)
         changed += expected != unpenalised
     assert changed  # the penalty is in effect
+
+
+# -- every drafter and the multi-draft engine, seeded ---------------------------------------
+
+
+def test_every_drafter_gives_the_penalised_seeded_tokens(engines, tiny_model) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    # The keyed-sampling engines of test_keyed_sampling (no drafts, garbage, model drafters
+    # greedy / sampled / the target itself, EAGLE, K=3 multi-draft, ASD's keyed fallback)
+    # against a hand-written loop: full forward, naive penalty, keyed draw per position.
+    from agentspec.sampling import keyed_sample, process_logits, seed_key
+
+    prompt = [3, 9, 27, 81, 50, 11]
+    for sp in (SamplingParams(1.0, top_p=0.95, seed=5, repetition_penalty=1.3),
+               SamplingParams(1.0, seed=8, frequency_penalty=0.7, presence_penalty=0.4)):
+        want: list[int] = []
+        for t in range(20):
+            with torch.inference_mode():
+                z = tiny_model(torch.tensor([prompt + want])).logits[0, -1]
+            p = process_logits(naive_penalised(z, prompt + want, want, sp), sp)
+            want.append(keyed_sample(p, seed_key(sp.seed or 0), t))
+        for name, engine in engines.items():
+            assert engine.generate(prompt, 20, sampling=sp).tokens == want, (name, sp)
