@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["flexible", "compact"])
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--limit", type=int, default=20, help="prompts per set")
+    ap.add_argument("--match", default="", help="only prompts containing this text")
     ap.add_argument("--out", type=Path, default=Path("results/structured-outputs.json"))
     args = ap.parse_args(argv)
     settings = {s: parse_setting(s) for s in args.settings}
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "setting": label, "penalties": penalties,
                                            "valid": 0, "n": 0, "replies": []}
                     report["runs"].append(run)
-                    for prompt in PROMPTS[prompt_set][: args.limit]:
+                    chosen = [p for p in PROMPTS[prompt_set] if args.match in p]
+                    for prompt in chosen[: args.limit]:
                         # OpenAI's penalties as parameters, vLLM's repetition_penalty in
                         # the extra body (as a vLLM client sends it).
                         extra = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
