@@ -193,7 +193,7 @@ class ToolFormat:
         """This format with its tags resolved against ``tokenizer`` (a tag that encodes to
         one added token is written as that token in grammars and kept when decoding)."""
         ids: dict[str, int] = {}
-        added = getattr(tokenizer, "get_added_vocab", lambda: {})()
+        added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
         for tag in self.tags:
             if tag in added:
                 ids[tag] = int(added[tag])

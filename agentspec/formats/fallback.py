@@ -58,12 +58,16 @@ class FallbackFormat(ToolFormat):
         """Messages folded into plain role + content turns (tools in the system turn, calls
         as text, tool results as user turns)."""
         out: list[dict[str, str]] = []
-        for turn in self.template_messages(messages):
+        for msg, turn in zip(messages, self.template_messages(messages), strict=True):
             content = turn["content"]
-            for call in turn.get("tool_calls", []):
-                fn = call["function"]
-                args = json.dumps(fn["arguments"], sort_keys=True)
-                content += f'{OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": {args}}}{CLOSE}'
+            for call in msg.get("tool_calls") or []:
+                fn = call.get("function", call)
+                # Arguments already in text stay as written (the model's own key order).
+                args = fn.get("arguments", {})
+                if not isinstance(args, str):
+                    args = json.dumps(args, sort_keys=True)
+                content += f'{OPEN}{{"name": {json.dumps(fn.get("name"))}, "arguments": {args}}}'
+                content += CLOSE
             if turn["role"] == "tool":
                 out.append({"role": "user",
                             "content": f"<tool_response>\n{content}\n</tool_response>"})

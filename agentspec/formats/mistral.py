@@ -18,7 +18,7 @@ import hashlib
 import json
 import re
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from agentspec.formats.base import (
     InvalidToolCall,
@@ -42,7 +42,7 @@ class MistralFormat(ToolFormat):
     """v3: ``[TOOL_CALLS] [{...}, ...]``; see the module docstring."""
 
     name = "mistral"
-    tags: tuple[str, ...] = (TOOL_CALLS,)
+    tags: ClassVar[tuple[str, ...]] = (TOOL_CALLS,)
 
     def call_id(self, cid: str) -> str:
         if not cid or _ALNUM9.match(cid):
