@@ -199,7 +199,7 @@ def stream_chunks(req: ChatRequest) -> Generator[ChatGenerationChunk, None, None
     final chunk, exactly as ``invoke`` returns it.
     """
     out: list[ChatResult] = []
-    visible = VisibleText() if req.tools else None
+    visible = VisibleText(getattr(req.runtime, "tool_format", None)) if req.tools else None
     for delta in stream_deltas(req, out):
         text = visible.feed(delta) if visible is not None else delta
         if text:

@@ -40,6 +40,8 @@ class ChatResult:
         completion_tokens: Tokens generated.
         stats: Speculative decoding numbers of the request.
         tokens: Generated token ids.
+        tool_format: The tool format the answer was parsed in (faces write invalid calls
+            back in it).
     """
 
     text: str
@@ -51,6 +53,7 @@ class ChatResult:
     completion_tokens: int
     stats: RequestStats = field(default_factory=RequestStats)
     tokens: list[int] = field(default_factory=list)
+    tool_format: ToolFormat | None = field(default=None, repr=False, compare=False)
 
 
     @classmethod
@@ -78,7 +81,7 @@ class ChatResult:
         if parsed.tool_calls and finish == "stop":
             finish = "tool_calls"
         return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
-                   prompt_tokens, len(tokens), stats, tokens)
+                   prompt_tokens, len(tokens), stats, tokens, fmt)
 
 
 def chat_prompt_ids(
