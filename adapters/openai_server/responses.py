@@ -9,10 +9,11 @@ Streaming: content is sent as it is generated, except text from where the model'
 format says a call opens (Hermes' ``<tool_call>``, Mistral's ``[TOOL_CALLS]``, an answer
 that opens with ``{``; also a tail that could still become one, or trailing whitespace that
 the final content may strip); at the end the remaining content, each tool call whole in
-one chunk, the finish chunk, the optional usage chunk and ``data: [DONE]`` follow. Concatenated deltas equal the
-non-streaming content. Events are :class:`~sse_starlette.ServerSentEvent` objects framed as
-OpenAI frames them (``data: <json>`` and a blank line, ``\\n`` line ends); the app streams
-them with :class:`~sse_starlette.EventSourceResponse`.
+one chunk, the finish chunk, the optional usage chunk and ``data: [DONE]`` follow.
+Concatenated deltas equal the non-streaming content. Events are
+:class:`~sse_starlette.ServerSentEvent` objects framed as OpenAI frames them
+(``data: <json>`` and a blank line, ``\\n`` line ends); the app
+streams them with :class:`~sse_starlette.EventSourceResponse`.
 """
 
 from __future__ import annotations

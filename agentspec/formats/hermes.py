@@ -136,9 +136,9 @@ class HermesFormat(ToolFormat):
             return None
         name = check_choice(tools, tool_choice)
         call = "call: " + json_rule(call_schema(tools, name))
-        many = 'block ("\\n" block)*'
         if tool_choice not in (None, "auto"):
-            return "\n".join([f"start: {'block' if name else many}", *self._block(), call])
+            # One call: a small model given room for more invents further calls.
+            return "\n".join(["start: block", *self._block(), call])
         # auto: prose, or prose then call blocks, or (Qwen2.5-Coder's habit) the call body
         # alone. Prose may not start with "{": an answer that opens with one is a call.
         lines = [f"start: PROSE | PROSE {self.tag(OPEN)} rest | call",
