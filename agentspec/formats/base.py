@@ -159,13 +159,14 @@ def check_choice(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> st
     return name
 
 
-def _arguments_dict(args: Any, where: str) -> Any:
-    """Templates ``tojson`` the arguments: give them the object, not its JSON text."""
+def _arguments_dict(args: Any) -> Any:
+    """Templates ``tojson`` the arguments: give them the object, not its JSON text (text
+    that is not JSON, which some logs hold, is passed on as it is)."""
     if isinstance(args, str):
         try:
             return json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: arguments are not valid JSON: {exc.msg}") from exc
+        except json.JSONDecodeError:
+            return args
     return args if args is not None else {}
 
 
@@ -207,7 +208,7 @@ class ToolFormat:
         with the arguments an object, tool results as role ``tool`` with ``tool_call_id``.
 
         Raises:
-            ConfigError: an unknown role, non-text content or unparseable arguments.
+            ConfigError: an unknown role or non-text content.
         """
         out: list[dict[str, Any]] = []
         for i, msg in enumerate(messages):
@@ -221,7 +222,7 @@ class ToolFormat:
             turn: dict[str, Any] = {"role": role, "content": content}
             calls = msg.get("tool_calls") or []
             if role == "assistant" and calls:
-                turn["tool_calls"] = [self._call(c, f"message {i}") for c in calls]
+                turn["tool_calls"] = [self._call(c) for c in calls]
             if role == "tool":
                 turn["tool_call_id"] = self.call_id(str(msg.get("tool_call_id") or ""))
                 if msg.get("name"):
@@ -229,11 +230,11 @@ class ToolFormat:
             out.append(turn)
         return out
 
-    def _call(self, call: dict[str, Any], where: str) -> dict[str, Any]:
+    def _call(self, call: dict[str, Any]) -> dict[str, Any]:
         fn = call.get("function", call)
         return {"id": self.call_id(str(call.get("id") or "")), "type": "function",
                 "function": {"name": fn.get("name"),
-                             "arguments": _arguments_dict(fn.get("arguments"), where)}}
+                             "arguments": _arguments_dict(fn.get("arguments"))}}
 
     def call_id(self, cid: str) -> str:
         """A call id as the template needs it (Mistral's must be 9 alphanumerics)."""
@@ -251,6 +252,17 @@ class ToolFormat:
         if tools:
             kwargs["tools"] = list(tools)
         return apply_template(tokenizer, self.template_messages(messages), **kwargs)
+
+    def render_text(self, tokenizer: Any, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None, generation: bool) -> str:
+        """The rendered conversation as text (``generation``: with the assistant opening);
+        the trace replay cuts each assistant message out of it."""
+        kwargs = self.template_kwargs()
+        if tools:
+            kwargs["tools"] = list(tools)
+        return str(tokenizer.apply_chat_template(
+            self.template_messages(messages), tokenize=False, add_generation_prompt=generation,
+            **kwargs))
 
     # -- answers -----------------------------------------------------------------------------
 

@@ -85,6 +85,12 @@ class FallbackFormat(ToolFormat):
                tools: Sequence[dict[str, Any]] | None) -> list[int]:
         return apply_template(tokenizer, list(self.plain_turns(messages, tools)))
 
+    def render_text(self, tokenizer: Any, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None, generation: bool) -> str:
+        return str(tokenizer.apply_chat_template(
+            list(self.plain_turns(messages, tools)), tokenize=False,
+            add_generation_prompt=generation))
+
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
         name = check_choice(tools, tool_choice)
         if tool_choice in (None, "auto", "none"):
