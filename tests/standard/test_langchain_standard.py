@@ -10,6 +10,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from adapters.langchain import ChatAgentSpec
+from agentspec.models import AGENT_MODEL
 
 # Why each remaining expected failure fails: what SmolLM2-135M-Instruct writes (greedy,
 # fp32). Tool calling and tool_choice pass since calls are decoded under the tool's schema
@@ -121,6 +122,20 @@ class TestChatAgentSpecIntegration(ChatModelIntegrationTests):
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
+
+@pytest.mark.integration
+@pytest.mark.slow
+class TestChatAgentSpecQwenIntegration(ChatModelIntegrationTests):
+    """The same suite on the agent-grade shipped model, Qwen2.5-Coder-0.5B-Instruct (fp32,
+    suffix-cache drafting), in its own Hermes tool format: no expected failures."""
+
+    @property
+    def chat_model_class(self) -> type[ChatAgentSpec]:
+        return ChatAgentSpec
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": AGENT_MODEL, "store": False, "max_tokens": 64}
 
 
 def _xfails() -> dict[str, list[str]]:
