@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine
-from agentspec.formats import ToolFormat, choose_tool_format
 from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.sessions import StoreConfig, persist_turn
@@ -88,7 +88,7 @@ class Runtime:
             store_config: The store's limits and per-tenant quotas
                 (:class:`agentspec.storage.sessions.StoreConfig`; default limits when ``None``).
             tool_format: The model's tool-call format (default: chosen from its chat
-                template, see :func:`agentspec.formats.choose_tool_format`).
+                template, see :func:`agentspec.chat.formats.choose_tool_format`).
         """
         from agentspec.storage.sessions import open_store
 

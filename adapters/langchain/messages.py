@@ -32,11 +32,11 @@ from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from agentspec.chat.checks import check_tool_replies
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.tool_calls import InvalidToolCall as RawInvalidCall
 from agentspec.chat.tool_calls import ToolCall as RawCall
 from agentspec.errors import ConfigError
-from agentspec.formats import ToolFormat
-from agentspec.formats.fallback import FallbackFormat
 
 log = logging.getLogger(__name__)
 

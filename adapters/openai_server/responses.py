@@ -44,8 +44,8 @@ from adapters.openai_server.schemas import (
     now,
 )
 from agentspec.chat.api import ChatResult
-from agentspec.formats import ToolFormat
-from agentspec.formats.fallback import FallbackFormat
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.fallback import FallbackFormat
 
 SEP = "\n"  # OpenAI ends SSE lines with "\n" (sse-starlette's default is "\r\n")
 DONE = ServerSentEvent("[DONE]", sep=SEP)

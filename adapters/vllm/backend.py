@@ -34,8 +34,8 @@ from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from adapters.vllm.structured import structured_output_kwargs
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.errors import ConfigError
-from agentspec.formats import ToolFormat, choose_tool_format
 from agentspec.spec import AgentSpec
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef

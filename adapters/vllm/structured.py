@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat
 from agentspec.chat.grammar_sources import tool_call_grammar
 from agentspec.errors import GrammarError
-from agentspec.formats import ToolFormat
 from agentspec.spec import AgentSpec
 
 

@@ -13,10 +13,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from agentspec.chat.formats import ToolFormat, format_for
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.templates import render_prompt
 from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, tool_names
-from agentspec.formats import ToolFormat, format_for
-from agentspec.formats.fallback import FallbackFormat
 from agentspec.interfaces import ServedModel, TurnStore
 from agentspec.spec import AgentSpec
 from agentspec.types import RequestStats, SamplingParams, SessionRef

@@ -5,7 +5,7 @@ JSON is laid out the way the prompt shows it (``", "`` between items, ``": "`` a
 keys, no other whitespace): a small model then meets the separators it expects, cannot
 stall in a run of spaces, and a session's suffix cache sees the same bytes every turn.
 
-Tool-call grammars are written by the model's tool format (:mod:`agentspec.formats`), in
+Tool-call grammars are written by the model's tool format (:mod:`agentspec.chat.formats`), in
 the model's own syntax: a forced call (``tool_choice`` ``"required"``/``"any"`` or a named
 tool) is a call to a bound tool whose arguments follow its parameter schema; under
 ``"auto"`` the model may write prose, and once it opens a call the body is held to the same
@@ -18,11 +18,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.base import chosen_tool
+from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.formats.hermes import call_schema
 from agentspec.errors import GrammarError
-from agentspec.formats import ToolFormat
-from agentspec.formats.base import chosen_tool
-from agentspec.formats.fallback import FallbackFormat
-from agentspec.formats.hermes import call_schema
 
 __all__ = ["chosen_tool", "json_grammar", "response_format_grammar", "tool_call_grammar",
            "tool_call_schema"]
@@ -101,7 +101,7 @@ def tool_call_grammar(
 
     ``"required"``/``"any"`` and named tools force valid calls; ``"auto"`` (and ``None``)
     allow prose, and hold a call to its schema once the answer opens one; ``"none"``
-    constrains nothing. See :meth:`agentspec.formats.ToolFormat.grammar`.
+    constrains nothing. See :meth:`agentspec.chat.formats.ToolFormat.grammar`.
 
     Raises:
         GrammarError: a forced choice without tools, a name that is not bound, or a tool

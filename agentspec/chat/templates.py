@@ -1,6 +1,6 @@
 """Chat messages -> prompt token ids, with the model's own chat template and tool format.
 
-The tool format (:mod:`agentspec.formats`) decides how tools, calls and tool results enter
+The tool format (:mod:`agentspec.chat.formats`) decides how tools, calls and tool results enter
 the prompt: a template that renders ``tools=`` itself (Qwen2.5, Llama 3.x, Mistral) gets
 them as it expects; one that ignores tools (SmolLM2's) gets the fallback preamble. Rendering
 is deterministic, so the same conversation produces the same tokens every turn: exactly
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat, format_for
+from agentspec.chat.formats.fallback import TOOL_PREAMBLE, FallbackFormat, render_tools
 from agentspec.errors import ConfigError
-from agentspec.formats import ToolFormat, format_for
-from agentspec.formats.fallback import TOOL_PREAMBLE, FallbackFormat, render_tools
 
 __all__ = ["TOOL_PREAMBLE", "normalise_messages", "render_prompt", "render_tools"]
 

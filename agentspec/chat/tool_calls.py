@@ -1,6 +1,6 @@
 """Parsing tool calls out of model text, in the model's tool format.
 
-The parsers live with their formats (:mod:`agentspec.formats`); this module keeps the
+The parsers live with their formats (:mod:`agentspec.chat.formats`); this module keeps the
 shared result types and the historical entry point. Parsers are lenient about where calls
 sit and strict about what counts as valid: a call whose JSON does not parse, has no string
 name, names an unknown tool, or whose arguments are not an object is returned as an
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from agentspec.formats import ToolFormat
-from agentspec.formats.base import InvalidToolCall, ParsedOutput, ToolCall, tool_names
-from agentspec.formats.fallback import FallbackFormat
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.base import InvalidToolCall, ParsedOutput, ToolCall, tool_names
+from agentspec.chat.formats.fallback import FallbackFormat
 
 __all__ = ["InvalidToolCall", "ParsedOutput", "ToolCall", "parse_tool_calls", "tool_names"]
 

@@ -197,7 +197,7 @@ def test_runtime_picks_the_request_grammar() -> None:
         def constraint(self, grammar: str) -> str:
             return grammar
 
-    from agentspec.formats.fallback import FallbackFormat
+    from agentspec.chat.formats.fallback import FallbackFormat
 
     rt = Runtime.__new__(Runtime)
     rt._grammars = Recorder()  # type: ignore[assignment]

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from agentspec.chat.formats import FORMATS, choose_tool_format
+from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.formats.llama3 import PINNED_DATE
+from agentspec.chat.grammar import GrammarCompiler
 from agentspec.errors import ConfigError, GrammarError
-from agentspec.formats import FORMATS, choose_tool_format
-from agentspec.formats.fallback import FallbackFormat
-from agentspec.formats.llama3 import PINNED_DATE
-from agentspec.grammar import GrammarCompiler
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 WEATHER = {"type": "function", "function": {

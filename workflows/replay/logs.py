@@ -10,7 +10,7 @@ Two input formats:
   messages or an object ``{"messages": [...], "tools": [...], "session": ..., "agent": ...,
   "tenant": ...}`` (all but ``messages`` optional). ``tool_calls`` and ``tool`` messages are
   rendered the way the runtime renders them for the target: in its tool format
-  (:func:`agentspec.formats.format_for`; the fallback for templates without tools).
+  (:func:`agentspec.chat.formats.format_for`; the fallback for templates without tools).
 
 Every assistant message becomes one replayed request: its prompt is the target's chat
 template applied to the messages before it (with the assistant opening), its output the
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentspec.chat.formats import format_for
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.formats import format_for
 from agentspec.types import SessionRef, check_id
 
 PACKAGED_TRACES = Path(__file__).parents[1] / "data" / "swe_agent_traces"

@@ -17,8 +17,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat
 from agentspec.chat.tool_calls import parse_tool_calls
-from agentspec.formats import ToolFormat
 
 TOOLS: list[dict[str, Any]] = [
     {

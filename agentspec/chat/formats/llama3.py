@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from agentspec.formats.base import (
+from agentspec.chat.formats.base import (
     ParsedOutput,
     ToolCall,
     ToolFormat,
@@ -21,7 +21,7 @@ from agentspec.formats.base import (
     json_rule,
     parse_call_object,
 )
-from agentspec.formats.hermes import call_schema, parse_bare
+from agentspec.chat.formats.hermes import call_schema, parse_bare
 
 PYTHON_TAG = "<|python_tag|>"
 #: The date every Llama 3.x prompt is rendered with (the templates' own default).

@@ -20,7 +20,7 @@ import re
 from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
-from agentspec.formats.base import (
+from agentspec.chat.formats.base import (
     InvalidToolCall,
     ParsedOutput,
     ToolCall,
@@ -32,7 +32,7 @@ from agentspec.formats.base import (
     json_rule,
     parameters_schema,
 )
-from agentspec.formats.hermes import call_schema
+from agentspec.chat.formats.hermes import call_schema
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ALNUM9 = re.compile(r"^[A-Za-z0-9]{9}$")

@@ -16,8 +16,7 @@ import re
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from agentspec.errors import ConfigError
-from agentspec.formats.base import (
+from agentspec.chat.formats.base import (
     InvalidToolCall,
     ParsedOutput,
     ToolCall,
@@ -28,7 +27,8 @@ from agentspec.formats.base import (
     json_rule,
     parse_call_object,
 )
-from agentspec.formats.hermes import CLOSE, OPEN, call_schema
+from agentspec.chat.formats.hermes import CLOSE, OPEN, call_schema
+from agentspec.errors import ConfigError
 
 TOOL_PREAMBLE = (
     "You are a helpful assistant with access to the following tools. To call a tool, reply "

@@ -24,8 +24,7 @@ import re
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from agentspec.errors import GrammarError
-from agentspec.formats.base import (
+from agentspec.chat.formats.base import (
     InvalidToolCall,
     ParsedOutput,
     ToolCall,
@@ -39,6 +38,7 @@ from agentspec.formats.base import (
     tool_names,
     unfence,
 )
+from agentspec.errors import GrammarError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)

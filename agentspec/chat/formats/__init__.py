@@ -17,8 +17,7 @@ import json
 import weakref
 from typing import Any
 
-from agentspec.errors import ConfigError
-from agentspec.formats.base import (
+from agentspec.chat.formats.base import (
     InvalidToolCall,
     ParsedOutput,
     ToolCall,
@@ -26,10 +25,11 @@ from agentspec.formats.base import (
     apply_template,
     tool_names,
 )
-from agentspec.formats.fallback import FallbackFormat
-from agentspec.formats.hermes import HermesFormat
-from agentspec.formats.llama3 import Llama3JsonFormat
-from agentspec.formats.mistral import MistralFormat, MistralV11Format
+from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.formats.hermes import HermesFormat
+from agentspec.chat.formats.llama3 import Llama3JsonFormat
+from agentspec.chat.formats.mistral import MistralFormat, MistralV11Format
+from agentspec.errors import ConfigError
 
 __all__ = [
     "FORMATS", "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat",
