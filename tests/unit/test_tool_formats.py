@@ -176,6 +176,10 @@ def test_grammars_accept_the_models_own_syntax(toks: dict[str, Any], name: str) 
     auto = compiler.constraint(fmt.grammar(TOOLS, "auto") or "").matcher
     prose = _grammar_ids(tok, "It is sunny.")
     assert auto.validate_tokens(prose) == len(prose)
+    none = fmt.grammar(TOOLS, "none")
+    if none is not None:  # "none" forbids the call, allows the prose
+        assert compiler.constraint(none).matcher.validate_tokens(prose) == len(prose)
+        assert compiler.constraint(none).matcher.validate_tokens(ids) < len(ids)
     if any(answer.startswith(t) for t in fmt.tag_ids):  # a tag spelled in bytes is not it
         spelled = [t for ch in answer[:12] for t in _grammar_ids(tok, ch)]
         opening = compiler.constraint(fmt.grammar(TOOLS, "required") or "").matcher
@@ -188,7 +192,8 @@ def test_grammar_and_prefix_misuse_name_the_tool() -> None:
         fmt.grammar([], "required")
     with pytest.raises(GrammarError, match="names no bound tool"):
         fmt.forced_prefix("nope", TOOLS)
-    assert fmt.grammar(TOOLS, "none") is None and fmt.forced_prefix("auto", TOOLS) == ""
+    assert FORMATS["fallback"]().grammar(TOOLS, "none") is None
+    assert fmt.grammar([], "none") is None and fmt.forced_prefix("auto", TOOLS) == ""
     assert fmt.forced_prefix("get_time", TOOLS) == ('<tool_call>\n{"name": "get_time", '
                                                     '"arguments": ')
 

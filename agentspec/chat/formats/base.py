@@ -279,7 +279,9 @@ class ToolFormat:
         """llguidance Lark grammar of an answer under ``tool_choice`` (``None``: free).
 
         Forced choices (``"required"``/``"any"``, a named tool) allow only calls; ``"auto"``
-        allows prose and guards a call once the answer opens one (the lazy trigger).
+        allows prose and guards a call once the answer opens one (the lazy trigger);
+        ``"none"`` allows only prose in formats whose calls have no tag token (Hermes' bare
+        JSON opening, Llama 3.x), else it constrains nothing.
 
         Raises:
             GrammarError: a forced choice without tools, or a name that is not bound.

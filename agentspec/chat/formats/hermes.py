@@ -41,6 +41,9 @@ from agentspec.chat.formats.base import (
 from agentspec.errors import GrammarError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+#: Prose that does not open a call: no leading "{" (a bare call), and no tag (a tag that is
+#: a token cannot be matched by text anyway; one spelled as text is excluded).
+_NO_CALL = r"PROSE: /(?s:.*)/ & ~/\s*\{(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -131,9 +134,13 @@ class HermesFormat(ToolFormat):
         return json.dumps(self.sep)[1:-1]
 
     def grammar(self, tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
-        if not tools or tool_choice == "none":
+        if not tools:
             check_choice(tools, tool_choice)
             return None
+        if tool_choice == "none":
+            # No call: neither opening. Small Qwen2.5-Coder models otherwise answer a tool
+            # result with the same call again, even with no tools in the prompt.
+            return "start: PROSE\n" + _NO_CALL
         name = check_choice(tools, tool_choice)
         call = "call: " + json_rule(call_schema(tools, name))
         if tool_choice not in (None, "auto"):
@@ -147,7 +154,7 @@ class HermesFormat(ToolFormat):
                  *self._block(), call]
         if OPEN in self.tag_ids:
             # The tag is a token no text lexeme can match: prose ends where it comes.
-            lines.append(r"PROSE: /(?s:.*)/ & ~/\s*\{(?s:.*)/")
+            lines.append(_NO_CALL)
         else:
             lines[0] = "start: PROSE | OPEN rest | call"
             lines.append(f"OPEN: /(?s:.*){re.escape(OPEN)}/ & ~/(?s:.*{re.escape(OPEN)}.+)/ & "

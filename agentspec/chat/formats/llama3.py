@@ -60,9 +60,11 @@ class Llama3JsonFormat(ToolFormat):
         return ParsedOutput("", [], [parsed])
 
     def grammar(self, tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
-        if not tools or tool_choice == "none":
+        if not tools:
             check_choice(tools, tool_choice)
             return None
+        if tool_choice == "none":  # no call: the answer may not open with "{"
+            return "start: PROSE\n" + r"PROSE: /(?s:.*)/ & ~/\s*\{(?s:.*)/"
         name = check_choice(tools, tool_choice)
         call = "call: " + json_rule(call_schema(tools, name, args_key="parameters"))
         if tool_choice not in (None, "auto"):
