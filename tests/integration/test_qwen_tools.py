@@ -122,3 +122,18 @@ def test_constrained_suffix_equals_constrained_greedy(qwen_runtime: Runtime) -> 
     again = rt.chat(QUESTION, spec=suffix, session=session, **ask)
     assert first.tokens == ref.tokens and again.tokens == ref.tokens
     assert again.stats.forwards < len(again.tokens) // 2  # the cache drafted the call
+
+
+@pytest.mark.slow
+def test_langgraph_example_calls_tools_and_finishes(qwen_runtime: Runtime) -> None:
+    """examples/langgraph_agent.py: the model picks its tools, every call parses, and both
+    turns end with an answer (the example exits 1 otherwise)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "langgraph_agent.py"
+    spec = importlib.util.spec_from_file_location("langgraph_agent", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--model", AGENT_MODEL]) == 0
