@@ -210,8 +210,8 @@ class Runtime:
                 self.store_errors += 1
         if result is not None:
             result.append(ChatResult.build(
-                prefix + gen.text, tools, gen.finish_reason, len(prompt), gen.tokens, gen.stats,
-                self.tool_format,
+                prefix + gen.text, tools if tool_choice != "none" else None, gen.finish_reason,
+                len(prompt), gen.tokens, gen.stats, self.tool_format,
             ))
 
     def chat(

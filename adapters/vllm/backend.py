@@ -321,7 +321,8 @@ class VLLMRuntime:
             if self._keep:  # vLLM's detokenizer skips special tokens: keep the tags
                 text = self.decode(tokens)
             result.append(ChatResult.build(
-                prefix + text, tools, finish, len(prompt), tokens, stats, self.tool_format
+                prefix + text, tools if tool_choice != "none" else None, finish, len(prompt),
+                tokens, stats, self.tool_format,
             ))
 
     def chat(
