@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
-from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
+from agentspec.chat.grammar_sources import response_format_grammar
 from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine
 from agentspec.interfaces import Drafter, TurnStore
@@ -43,11 +44,20 @@ class Runtime:
     """
 
     def __init__(
-        self, target: HFTarget, store: TurnStore | None = None,
+        self,
+        target: HFTarget,
+        store: TurnStore | None = None,
         default_spec: AgentSpec | None = None,
+        tool_format: str | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
+        self.tool_format: ToolFormat = choose_tool_format(self.tokenizer, tool_format)
+        # Tags that are special tokens (Mistral's [TOOL_CALLS]) survive decoding; other
+        # special tokens (end of turn) do not.
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self._keep = self.tool_format.keep_ids() & special
+        self._drop = special - self._keep
         self.store = store
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
@@ -64,26 +74,34 @@ class Runtime:
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
+        tool_format: str | None = None,
     ) -> Runtime:
         """Load a model and open the session store.
 
         Args:
-            model: Embedded model (default) or a local Hugging Face folder.
+            model: A shipped model's name (default: the embedded one; see
+                ``agentspec models``) or a local Hugging Face folder.
             dtype: ``float32`` (exact) or ``bfloat16``.
             store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.
             store_config: The store's limits and per-tenant quotas
                 (:class:`agentspec.storage.sessions.StoreConfig`; default limits when ``None``).
+            tool_format: The model's tool-call format (default: chosen from its chat
+                template, see :func:`agentspec.chat.formats.choose_tool_format`).
         """
         from agentspec.storage.sessions import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
-        return cls(target, open_store(store, store_config), default_spec)
+        return cls(target, open_store(store, store_config), default_spec, tool_format)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Token ids -> text without special tokens."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        """Token ids -> text without special tokens (tool-call tags that are special
+        tokens of the vocabulary are kept: the parser needs them)."""
+        if not self._keep:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        kept = [int(t) for t in ids if int(t) not in self._drop]
+        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
 
     def drafter_for(self, spec: AgentSpec) -> Drafter | None:
         """The (shared, stateful) drafter serving ``spec``'s drafting policy."""
@@ -108,7 +126,8 @@ class Runtime:
     ) -> tuple[list[int], str]:
         """Rendered prompt token ids and the text that opens the assistant turn
         (``assistant_prefix``, then any forced tool call; see :func:`chat_prompt_ids`)."""
-        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix)
+        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix,
+                               self.tool_format)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -132,12 +151,13 @@ class Runtime:
         """
         forced = tool_choice not in (None, "auto", "none")
         grammar = None
+        fmt = self.tool_format
         if forced and spec.constrained_tool_calls:
-            grammar = tool_call_grammar(tools, tool_choice)
+            grammar = fmt.grammar(tools, tool_choice)
         if grammar is None and not forced:
             grammar = response_format_grammar(response_format)
         if grammar is None and not forced and spec.constrained_tool_calls:
-            grammar = tool_call_grammar(tools, tool_choice)
+            grammar = fmt.grammar(tools, tool_choice)
         return self.grammars.constraint(grammar) if grammar is not None else None
 
     def stream_chat(
@@ -171,8 +191,8 @@ class Runtime:
         choice = "auto" if constraint is not None and tool_choice != "none" else tool_choice
         prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
         if tools and tool_choice != "none":
-            # A call is complete at its closing tag: stop there, the agent runs the tool.
-            stop = [*stop, "</tool_call>"]
+            # The format's own stops (the fallback's closing tag: the agent runs the tool).
+            stop = [*stop, *self.tool_format.stop]
         with self.lock:
             engine = self.engine_for(spec)
             if prefix:
@@ -190,7 +210,8 @@ class Runtime:
                 self.store_errors += 1
         if result is not None:
             result.append(ChatResult.build(
-                prefix + gen.text, tools, gen.finish_reason, len(prompt), gen.tokens, gen.stats
+                prefix + gen.text, tools if tool_choice != "none" else None, gen.finish_reason,
+                len(prompt), gen.tokens, gen.stats, self.tool_format,
             ))
 
     def chat(

@@ -60,6 +60,19 @@ def embedded_target():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def qwen_runtime():  # type: ignore[no-untyped-def]
+    """The agent-grade shipped model (Qwen2.5-Coder-0.5B-Instruct, fp32), no session store.
+
+    It is the process-wide runtime ``ChatAgentSpec(model=..., store=False)`` also uses, so
+    the model is loaded once for every test that needs it (`make qwen` installs it).
+    """
+    from adapters.langchain.runtimes import shared_runtime
+    from agentspec.models import AGENT_MODEL
+
+    return shared_runtime(AGENT_MODEL, "float32", store=False)
+
+
+@pytest.fixture(scope="session")
 def char_decode() -> CharDecoder:
     """Decode function for the tiny model."""
     return CharDecoder()

@@ -320,8 +320,8 @@ class ChatAgentSpec(BaseChatModel):
         if tools is not None:
             tools = convert_tools(tools)  # idempotent for bound schemas; checks raw dicts
         choice = normalise_tool_choice(kwargs.get("tool_choice"), tools or [])
-        if choice == "none":
-            tools, choice = None, None  # hidden from the prompt, so nothing to parse either
+        # "none" keeps the tools: the runtime hides them from the prompt, parses no call,
+        # and (in formats whose calls open without a tag token) allows only prose.
         spec = self.agent_spec or AgentSpec()
         temperature = kwargs.get("temperature")
         if temperature is None and "temperature" in self.model_fields_set:

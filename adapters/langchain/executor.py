@@ -160,8 +160,8 @@ class ToolCallingExecutor:
     def _invalid_results(self, reply: AIMessage) -> list[ToolMessage]:
         return [
             self._error(bad.get("id"), bad.get("name"),
-                        f"the tool call could not be read ({bad.get('error')}). Call a tool as "
-                        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+                        f"the tool call could not be read ({bad.get('error')}). Call the tool "
+                        "again with its name and a JSON object of arguments.")
             for bad in reply.invalid_tool_calls
         ]
 

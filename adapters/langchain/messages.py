@@ -32,6 +32,8 @@ from langchain_core.messages.tool import InvalidToolCall, ToolCall, invalid_tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from agentspec.chat.checks import check_tool_replies
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.tool_calls import InvalidToolCall as RawInvalidCall
 from agentspec.chat.tool_calls import ToolCall as RawCall
 from agentspec.errors import ConfigError
@@ -267,37 +269,37 @@ def to_langchain_tool_calls(
 
 
 class VisibleText:
-    """Streams the text outside tool-call markup.
+    """Streams the text outside tool-call markup, in the model's tool format.
 
-    Deltas pass through until ``<tool_call>`` starts; from then on everything is held (the
-    calls arrive parsed, in the final chunk). A tail that could still grow into the tag is
-    held back until it cannot.
+    Deltas pass through until a call opens (Hermes' ``<tool_call>``, Mistral's
+    ``[TOOL_CALLS]``, an answer that opens with ``{``: :meth:`ToolFormat.hold_from`); from
+    then on everything is held (the calls arrive parsed, in the final chunk). A tail that
+    could still grow into an opening is held back until it cannot.
+
+    Args:
+        fmt: The model's tool format (default: the fallback's ``<tool_call>``).
     """
 
-    TAG = "<tool_call>"
-
-    def __init__(self) -> None:
-        self._held = ""
-        self._in_call = False
+    def __init__(self, fmt: ToolFormat | None = None) -> None:
+        self._fmt = fmt or FallbackFormat()
+        self._text = ""
+        self._sent = 0
 
     def feed(self, delta: str) -> str:
         """Add a delta; return the text that is now certainly visible."""
-        if self._in_call:
-            return ""
-        text = self._held + delta
-        at = text.find(self.TAG)
-        if at >= 0:
-            self._in_call, self._held = True, ""
-            return text[:at]
-        keep = 0
-        for n in range(min(len(self.TAG) - 1, len(text)), 0, -1):
-            if text.endswith(self.TAG[:n]):
-                keep = n
-                break
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
+        self._text += delta
+        safe = max(self._fmt.hold_from(self._text), self._sent)
+        out, self._sent = self._text[self._sent:safe], safe
+        return out
 
     def flush(self) -> str:
         """The held-back tail, once the stream has ended without opening a call."""
-        tail, self._held = ("" if self._in_call else self._held), ""
+        if self._fmt.parse(self._text[self._sent:]).tool_calls or self._opened():
+            return ""
+        tail, self._sent = self._text[self._sent:], len(self._text)
         return tail
+
+    def _opened(self) -> bool:
+        # Text held because a call opened (not just a tail that might have): never shown.
+        rest = self._text[self._sent:]
+        return any(tag and tag in rest for tag in self._fmt.tags[:1])

@@ -168,9 +168,14 @@ def response_metadata(req: ChatRequest, result: ChatResult) -> dict[str, Any]:
     return meta
 
 
+def _tools_active(req: ChatRequest) -> bool:
+    """Tools are bound and calls may be made (``tool_choice="none"`` makes none)."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
 def result_message(req: ChatRequest, result: ChatResult) -> AIMessage:
     """The ``AIMessage`` of a finished call (tool calls parsed only when tools were bound)."""
-    if not req.tools:
+    if not _tools_active(req):
         return AIMessage(content=result.text, usage_metadata=usage(result),
                          response_metadata=response_metadata(req, result))
     calls, invalid = to_langchain_tool_calls(result.tool_calls, result.invalid_tool_calls)
@@ -184,7 +189,7 @@ def final_chunk(req: ChatRequest, result: ChatResult) -> AIMessageChunk:
     """The last chunk of a stream: tool calls, usage and metadata, no new text."""
     calls: list[ToolCall] = []
     invalid: list[InvalidToolCall] = []
-    if req.tools:
+    if _tools_active(req):
         calls, invalid = to_langchain_tool_calls(result.tool_calls, result.invalid_tool_calls)
     return AIMessageChunk(
         content="", tool_calls=calls, invalid_tool_calls=invalid, usage_metadata=usage(result),
@@ -199,7 +204,8 @@ def stream_chunks(req: ChatRequest) -> Generator[ChatGenerationChunk, None, None
     final chunk, exactly as ``invoke`` returns it.
     """
     out: list[ChatResult] = []
-    visible = VisibleText() if req.tools else None
+    visible = (VisibleText(getattr(req.runtime, "tool_format", None)) if _tools_active(req)
+               else None)
     for delta in stream_deltas(req, out):
         text = visible.feed(delta) if visible is not None else delta
         if text:

@@ -29,7 +29,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model", default=None,
-                   help="the embedded model (default) or a local Hugging Face folder")
+                   help="a shipped model's name (default: the embedded smollm2-135m-instruct; "
+                        "`agentspec models` lists them) or a local Hugging Face folder")
+    p.add_argument("--tool-format", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "mistral_v11", "fallback"],
+                   help="the model's tool-call format (default: chosen from its chat template)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
     p.add_argument("--served-model-name", default=None,
@@ -98,7 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     quotas = StoreConfig(max_sessions_per_tenant=args.tenant_max_sessions,
                          max_tokens_per_tenant=args.tenant_max_tokens)
     try:
-        runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas)
+        runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
+                               tool_format=getattr(args, "tool_format", None))
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2

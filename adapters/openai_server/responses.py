@@ -5,13 +5,15 @@ string, ``finish_reason="tool_calls"``). Calls the model got wrong are not an er
 stay in ``content`` as the model wrote them, so the agent (or a person) can see what
 happened. Without bound tools nothing is parsed: the text is the content.
 
-Streaming: content is sent as it is generated, except text from a ``<tool_call>`` tag on
-(and a tail that could still become one, or trailing whitespace that the final content may
-strip); at the end the remaining content, each tool call whole in one chunk, the finish
-chunk, the optional usage chunk and ``data: [DONE]`` follow. Concatenated deltas equal the
-non-streaming content. Events are :class:`~sse_starlette.ServerSentEvent` objects framed as
-OpenAI frames them (``data: <json>`` and a blank line, ``\\n`` line ends); the app streams
-them with :class:`~sse_starlette.EventSourceResponse`.
+Streaming: content is sent as it is generated, except text from where the model's tool
+format says a call opens (Hermes' ``<tool_call>``, Mistral's ``[TOOL_CALLS]``, an answer
+that opens with ``{``; also a tail that could still become one, or trailing whitespace that
+the final content may strip); at the end the remaining content, each tool call whole in
+one chunk, the finish chunk, the optional usage chunk and ``data: [DONE]`` follow.
+Concatenated deltas equal the non-streaming content. Events are
+:class:`~sse_starlette.ServerSentEvent` objects framed as OpenAI frames them
+(``data: <json>`` and a blank line, ``\\n`` line ends); the app
+streams them with :class:`~sse_starlette.EventSourceResponse`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ from adapters.openai_server.schemas import (
     now,
 )
 from agentspec.chat.api import ChatResult
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.fallback import FallbackFormat
 
-TOOL_TAG = "<tool_call>"
 SEP = "\n"  # OpenAI ends SSE lines with "\n" (sse-starlette's default is "\r\n")
 DONE = ServerSentEvent("[DONE]", sep=SEP)
 
@@ -52,7 +55,8 @@ def content_of(result: ChatResult, tools_active: bool) -> str | None:
     """The ``content`` of the assistant message (``None`` when only tool calls remain)."""
     if not tools_active or not result.tool_calls:
         return result.text
-    parts = [result.content, *(f"{TOOL_TAG}{c.raw}</tool_call>" for c in result.invalid_tool_calls)]
+    fmt = result.tool_format or FallbackFormat()
+    parts = [result.content, *(fmt.raw_call_text(c.raw) for c in result.invalid_tool_calls)]
     return "\n".join(p for p in parts if p) or None
 
 
@@ -118,11 +122,11 @@ def sse(payload: ChatCompletionChunk | dict[str, Any]) -> ServerSentEvent:
 class ToolTextFilter:
     """Decides how much of the generated text is safe to stream as content so far."""
 
-    def __init__(self, tools_active: bool) -> None:
+    def __init__(self, tools_active: bool, fmt: ToolFormat | None = None) -> None:
         self.tools_active = tools_active
+        self.fmt = fmt or FallbackFormat()
         self.text = ""
         self.sent = ""
-        self.blocked = False
 
     def feed(self, delta: str) -> str:
         """Add a delta; return the new content that can be sent now."""
@@ -130,23 +134,19 @@ class ToolTextFilter:
         if not self.tools_active:
             new, self.sent = self.text[len(self.sent):], self.text
             return new
-        if self.blocked:
-            return ""
-        safe = self.text.find(TOOL_TAG)
-        if safe >= 0:
-            self.blocked = True
-        else:
-            safe = len(self.text)
-            for n in range(min(len(TOOL_TAG) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(TOOL_TAG[:n]):
-                    safe -= n
-                    break
+        # From where a call opens (or may be opening) nothing is content until the end.
+        safe = self.fmt.hold_from(self.text)
         # Content around tool calls is stripped at the end, so trailing whitespace waits.
         candidate = self.text[:safe].rstrip()
         if len(candidate) <= len(self.sent) or not candidate.startswith(self.sent):
             return ""
         new, self.sent = candidate[len(self.sent):], candidate
         return new
+
+    @property
+    def blocked(self) -> bool:
+        """Whether text is being held back because a call opens (or may open) in it."""
+        return self.tools_active and self.fmt.hold_from(self.text) < len(self.text)
 
     def rest(self, final: str | None) -> str:
         """What remains to send so the streamed content equals ``final``."""
@@ -164,13 +164,15 @@ class ChunkWriter:
         model: The model id echoed in every chunk.
         tools_active: Whether tool calls are parsed (see the module docstring).
         include_usage: Send a final chunk with ``usage`` (``stream_options``).
+        fmt: The model's tool format (default: the fallback's ``<tool_call>``).
     """
 
-    def __init__(self, model: str, tools_active: bool, include_usage: bool) -> None:
+    def __init__(self, model: str, tools_active: bool, include_usage: bool,
+                 fmt: ToolFormat | None = None) -> None:
         self.id, self.created, self.model = completion_id(), now(), model
         self.tools_active = tools_active
         self.include_usage = include_usage
-        self.filter = ToolTextFilter(tools_active)
+        self.filter = ToolTextFilter(tools_active, fmt)
 
     def _chunk(self, delta: ChoiceDelta, finish: FinishReason | None = None,
                agentspec: dict[str, Any] | None = None) -> ServerSentEvent:

@@ -35,9 +35,10 @@ class _ClientGone(Exception):
 class Answers:
     """Writes the responses of the model ``model_name``, counting them in ``metrics``."""
 
-    def __init__(self, metrics: Metrics, model_name: str) -> None:
+    def __init__(self, metrics: Metrics, model_name: str, tool_format: Any = None) -> None:
         self.metrics = metrics
         self.model_name = model_name
+        self.tool_format = tool_format  # the model's (streamed text is held from a call on)
 
     @staticmethod
     async def _first(gen: Generation) -> tuple[str, Any]:
@@ -84,7 +85,8 @@ class Answers:
         except _ClientGone:
             metrics.aborted()
             return Response(status_code=499)
-        writer = responses.ChunkWriter(self.model_name, job.tools_active, include_usage)
+        writer = responses.ChunkWriter(self.model_name, job.tools_active, include_usage,
+                                       self.tool_format)
         sid = job.session.session_id if job.session else None
 
         async def events() -> AsyncIterator[ServerSentEvent]:

@@ -34,6 +34,7 @@ from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from adapters.vllm.structured import structured_output_kwargs
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.errors import ConfigError
 from agentspec.spec import AgentSpec
 from agentspec.tokens import eos_ids
@@ -119,10 +120,15 @@ class VLLMRuntime:
     def __init__(
         self, llm: Any, model_name: str, model_path: str,
         default_spec: AgentSpec | None = None, proposer: str = "vllm",
+        tool_format: str | None = None,
     ) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
         self.tokenizer = llm.get_tokenizer()
+        # The model's tool dialect: rendering, stops, grammars and parsing all follow it.
+        self.tool_format: ToolFormat = choose_tool_format(self.tokenizer, tool_format)
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self._keep = self.tool_format.keep_ids() & special
         self.target = _TargetInfo(model_name, model_path)
         self.default_spec = default_spec or AgentSpec()
         self.proposer = proposer
@@ -139,16 +145,19 @@ class VLLMRuntime:
         proposer: Proposer = "vllm",
         settings: EngineSettings | None = None,
         payoff: str = "off",
+        tool_format: str | None = None,
     ) -> VLLMRuntime:
         """Start a vLLM engine for ``model`` drafting as ``spec`` says.
 
         Args:
-            model: Embedded model name (default) or a local Hugging Face folder.
+            model: A shipped model's name (default: the embedded one) or a local Hugging
+                Face folder.
             spec: Default agent policy; its drafting configures the engine.
             proposer: ``"vllm"`` (vLLM's drafters) or ``"agentspec"`` (session cache).
             settings: Engine settings (dtype, memory share, parallelism, ...).
             payoff: ``"off"`` or ``"cost_aware"``: the agentspec proposer cuts drafts to the
                 payoff predictor's useful length (:mod:`adapters.vllm.payoff_gate`).
+            tool_format: The model's tool-call format (default: chosen from its template).
 
         Raises:
             ConfigError: a drafting policy vLLM cannot run (see :func:`speculative_config`),
@@ -173,12 +182,17 @@ class VLLMRuntime:
             model=str(files.path), speculative_config=spec_config, disable_log_stats=False,
             **settings.llm_kwargs(),
         )
-        return cls(llm, files.name, str(files.path), spec, proposer)
+        return cls(llm, files.name, str(files.path), spec, proposer, tool_format)
 
     # ------------------------------------------------------------------ helpers
     def decode(self, ids: Sequence[int]) -> str:
-        """Token ids -> text without special tokens."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        """Token ids -> text without special tokens (tool-call tags that are special tokens
+        are kept: the parser needs them)."""
+        if not self._keep:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        drop = set(self.tokenizer.all_special_ids) - self._keep
+        kept = [int(t) for t in ids if int(t) not in drop]
+        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
 
     def prompt_ids(
         self,
@@ -192,7 +206,8 @@ class VLLMRuntime:
         As ``Runtime.prompt_ids``, plus ``assistant_prefix`` (text the caller puts at the
         start of the answer, e.g. a file's opening fence) before any forced tool call.
         """
-        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix)
+        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix,
+                               self.tool_format)
 
     def counters(self) -> SpecCounters:
         """vLLM's spec-decode counters now."""
@@ -270,12 +285,13 @@ class VLLMRuntime:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         sampling = sampling or spec.verifier.sampling()
-        structured = structured_output_kwargs(tools, tool_choice, response_format, spec)
+        structured = structured_output_kwargs(tools, tool_choice, response_format, spec,
+                                              self.tool_format)
         # Under a tool grammar the grammar writes the call's opening; no forced prefix.
         choice = "auto" if structured and "grammar" in structured else tool_choice
         prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
         if tools and tool_choice != "none":
-            stop = [*stop, "</tool_call>"]
+            stop = [*stop, *self.tool_format.stop]
         params = self._sampling_params(sampling, max_tokens, stop, structured)
         with self.lock:
             if prefix:
@@ -306,8 +322,12 @@ class VLLMRuntime:
         stats = request_stats(delta, len(prompt), len(tokens), seconds, self._source())
         finish = "length" if final.finish_reason == "length" else "stop"
         if result is not None:
+            text = str(final.text)
+            if self._keep:  # vLLM's detokenizer skips special tokens: keep the tags
+                text = self.decode(tokens)
             result.append(ChatResult.build(
-                prefix + str(final.text), tools, finish, len(prompt), tokens, stats
+                prefix + text, tools if tool_choice != "none" else None, finish, len(prompt),
+                tokens, stats, self.tool_format,
             ))
 
     def chat(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat
 from agentspec.chat.grammar_sources import tool_call_grammar
 from agentspec.errors import GrammarError
 from agentspec.spec import AgentSpec
@@ -24,17 +25,19 @@ def structured_output_kwargs(
     tool_choice: Any,
     response_format: Any,
     spec: AgentSpec,
+    tool_format: ToolFormat | None = None,
 ) -> dict[str, Any] | None:
     """Keyword arguments of vLLM's ``StructuredOutputsParams`` for a request (``None``:
     unconstrained). Same precedence as the embedded runtime: a forced tool call, else the
-    ``response_format``, else (``spec.constrained_tool_calls``) a call under ``auto``.
+    ``response_format``, else (``spec.constrained_tool_calls``) a call under ``auto``; tool
+    grammars in the model's ``tool_format`` (default: the fallback's).
 
     Raises:
         GrammarError: a bad ``response_format`` or ``tool_choice``.
     """
     forced = tool_choice not in (None, "auto", "none")
     if forced and spec.constrained_tool_calls:
-        return {"grammar": tool_call_grammar(tools, tool_choice)}
+        return {"grammar": tool_call_grammar(tools, tool_choice, tool_format)}
     if not forced and response_format is not None:
         fmt = (response_format.model_dump(by_alias=True, exclude_none=True)
                if hasattr(response_format, "model_dump") else response_format)
@@ -51,7 +54,7 @@ def structured_output_kwargs(
             raise GrammarError(f"response_format.type {kind!r} is not supported; use 'text', "
                                "'json_object' or 'json_schema'")
     if not forced and spec.constrained_tool_calls:
-        grammar = tool_call_grammar(tools, tool_choice)
+        grammar = tool_call_grammar(tools, tool_choice, tool_format)
         if grammar is not None:
             return {"grammar": grammar}
     return None

@@ -1,6 +1,8 @@
 """Chat on top of the decode loop: prompts, tool calls, message checks, grammars.
 
-* :mod:`~agentspec.chat.templates` — chat template rendering (tools in the system prompt);
+* :mod:`~agentspec.chat.formats` — tool-call formats as data (hermes, llama3_json, mistral
+  v3 / v11, the fallback preamble) and the choice of a model's format;
+* :mod:`~agentspec.chat.templates` — chat template rendering in the model's tool format;
 * :mod:`~agentspec.chat.tool_calls` — tool-call parsing from generated text;
 * :mod:`~agentspec.chat.checks` — the message checks both front ends run;
 * :mod:`~agentspec.chat.grammar` — grammar-constrained decoding (llguidance);

@@ -13,9 +13,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from agentspec.chat.formats import ToolFormat, format_for
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.templates import render_prompt
-from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, parse_tool_calls, tool_names
-from agentspec.errors import ConfigError
+from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, tool_names
 from agentspec.interfaces import ServedModel, TurnStore
 from agentspec.spec import AgentSpec
 from agentspec.types import RequestStats, SamplingParams, SessionRef
@@ -39,6 +40,8 @@ class ChatResult:
         completion_tokens: Tokens generated.
         stats: Speculative decoding numbers of the request.
         tokens: Generated token ids.
+        tool_format: The tool format the answer was parsed in (faces write invalid calls
+            back in it).
     """
 
     text: str
@@ -50,6 +53,7 @@ class ChatResult:
     completion_tokens: int
     stats: RequestStats = field(default_factory=RequestStats)
     tokens: list[int] = field(default_factory=list)
+    tool_format: ToolFormat | None = field(default=None, repr=False, compare=False)
 
 
     @classmethod
@@ -61,18 +65,23 @@ class ChatResult:
         prompt_tokens: int,
         tokens: list[int],
         stats: RequestStats,
+        fmt: ToolFormat | None = None,
     ) -> ChatResult:
         """Parse ``text`` (the whole answer, forced prefix included) into a result.
 
-        Tool calls are parsed against the bound tools' names; an answer that stopped on
-        its own with a well-formed call finishes with ``tool_calls``.
+        Tool calls are parsed in the model's tool format ``fmt`` (default: the fallback)
+        against the bound tools' names; without bound tools nothing is parsed. An answer
+        that stopped on its own with a well-formed call finishes with ``tool_calls``.
         """
-        parsed = parse_tool_calls(text, tool_names(list(tools or [])) if tools else None)
+        if tools:
+            parsed = (fmt or FallbackFormat()).parse(text, tool_names(list(tools)))
+        else:
+            parsed = FallbackFormat().parse(text, None)
         finish = finish_reason
         if parsed.tool_calls and finish == "stop":
             finish = "tool_calls"
         return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
-                   prompt_tokens, len(tokens), stats, tokens)
+                   prompt_tokens, len(tokens), stats, tokens, fmt)
 
 
 def chat_prompt_ids(
@@ -81,6 +90,7 @@ def chat_prompt_ids(
     tools: Sequence[dict[str, Any]] | None = None,
     tool_choice: ToolChoice = None,
     assistant_prefix: str = "",
+    fmt: ToolFormat | None = None,
 ) -> tuple[list[int], str]:
     """Rendered prompt token ids and the text that opens the assistant turn.
 
@@ -91,36 +101,33 @@ def chat_prompt_ids(
         tool_choice: Forces a tool call by writing its opening into the answer.
         assistant_prefix: Text the caller puts at the start of the answer (e.g. a file's
             opening fence), before any forced tool call.
+        fmt: The model's tool format (default: the one chosen for ``tokenizer``).
 
     Returns:
         ``(ids, prefix)``: the prompt with the prefix's tokens appended, and the prefix.
     """
+    fmt = fmt or format_for(tokenizer)
     use_tools = None if tool_choice == "none" else tools
-    ids = render_prompt(tokenizer, messages, use_tools)
-    prefix = assistant_prefix + forced_prefix(tool_choice, tools)
+    ids = render_prompt(tokenizer, messages, use_tools, fmt)
+    prefix = assistant_prefix + forced_prefix(tool_choice, tools, fmt)
     if prefix:
         ids = ids + list(tokenizer.encode(prefix, add_special_tokens=False))
     return ids, prefix
 
 
-def forced_prefix(tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None) -> str:
-    """Assistant text that forces a tool call (``""`` when nothing is forced).
+def forced_prefix(
+    tool_choice: ToolChoice, tools: Sequence[dict[str, Any]] | None, fmt: ToolFormat | None = None
+) -> str:
+    """Assistant text that forces a tool call in format ``fmt`` (default: the fallback's
+    ``<tool_call>{...}``; ``""`` when nothing is forced).
 
     ``"any"``/``"required"`` open a call and let the model pick the name; a named tool
     (``"name"`` or ``{"type": "function", "function": {"name": ...}}``) writes the name too.
+
+    Raises:
+        ConfigError: a forced choice without tools, or a name that is not bound.
     """
-    names = tool_names(list(tools or []))
-    if tool_choice in (None, "auto", "none"):
-        return ""
-    if tool_choice in ("any", "required"):
-        if not names:
-            raise ConfigError(f"tool_choice={tool_choice!r} needs at least one bound tool")
-        return '<tool_call>{"name": "'
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if isinstance(tool_choice, str) and tool_choice in names:
-        return '<tool_call>{"name": "' + tool_choice + '", "arguments": '
-    raise ConfigError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
+    return (fmt or FallbackFormat()).forced_prefix(tool_choice, tools)
 
 
 @runtime_checkable

@@ -12,11 +12,11 @@ JSON tokens is then one optional line break and at most 32 spaces or tabs: every
 pretty-printed layout and the compact one pass, and no run of whitespace can fill the
 length limit.
 
-Tool calls use the chat format of :mod:`agentspec.chat.templates`:
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A forced call (``tool_choice``
-``"required"``/``"any"`` or a named tool) must be exactly one such block whose name is a
-bound tool and whose arguments follow that tool's parameter schema. Under ``"auto"`` the
-model may write prose; once it writes ``<tool_call>`` the body is held to the same rule.
+Tool-call grammars are written by the model's tool format (:mod:`agentspec.chat.formats`), in
+the model's own syntax: a forced call (``tool_choice`` ``"required"``/``"any"`` or a named
+tool) is a call to a bound tool whose arguments follow its parameter schema; under
+``"auto"`` the model may write prose, and once it opens a call the body is held to the same
+rule.
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agentspec.chat.tool_calls import tool_names
+from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.base import chosen_tool
+from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.formats.hermes import call_schema
 from agentspec.errors import GrammarError
+
+__all__ = ["chosen_tool", "json_grammar", "response_format_grammar", "tool_call_grammar",
+           "tool_call_schema"]
 
 #: llguidance JSON options: fixed separators, as in the prompt's tool-call example.
 JSON_STYLE: dict[str, Any] = {
@@ -40,7 +46,6 @@ JSON_STYLE: dict[str, Any] = {
 FLEXIBLE_JSON: dict[str, Any] = {
     "whitespace_pattern": r"(?:\x0D?\x0A)?[\x20\x09]{0,32}",
 }
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _json_rule(schema: dict[str, Any], lenient: bool = False, flexible: bool = False) -> str:
@@ -102,76 +107,24 @@ def response_format_grammar(response_format: Any) -> str | None:
     )
 
 
-def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function", tool)
-    return fn if isinstance(fn, dict) else {}
-
-
 def tool_call_schema(tools: Sequence[dict[str, Any]], only: str | None = None) -> dict[str, Any]:
     """JSON schema of a call body ``{"name": ..., "arguments": {...}}`` to one of ``tools``
     (or to the tool named ``only``), each name paired with its own parameter schema."""
-    options = []
-    for tool in tools:
-        fn = _function(tool)
-        name = fn.get("name")
-        if not isinstance(name, str) or (only is not None and name != only):
-            continue
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise GrammarError(f"tool {name!r} parameters must be a JSON schema object")
-        if "properties" in params and "additionalProperties" not in params:
-            # Arguments are the declared parameters (OpenAI strict mode's rule too): a
-            # small model otherwise pads the call with invented keys.
-            params = {**params, "additionalProperties": False}
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
-    if not options:
-        raise GrammarError(f"no bound tool named {only!r}" if only else "no tools to call")
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return call_schema(tools, only)
 
 
-def chosen_tool(tool_choice: Any) -> str | None:
-    """The tool name a ``tool_choice`` forces (``None`` when it names none)."""
-    if isinstance(tool_choice, dict):
-        fn = tool_choice.get("function") or {}
-        name = fn.get("name") if isinstance(fn, dict) else None
-        return name or tool_choice.get("name")
-    if isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "any", "required"):
-        return tool_choice
-    return None
+def tool_call_grammar(
+    tools: Sequence[dict[str, Any]] | None, tool_choice: Any, fmt: ToolFormat | None = None
+) -> str | None:
+    """Grammar of an answer under ``tool_choice`` in the model's tool format (``None``:
+    unconstrained; default format: the fallback's ``<tool_call>{...}</tool_call>``).
 
-
-def tool_call_grammar(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
-    """Grammar of an answer under ``tool_choice`` (``None``: unconstrained).
-
-    ``"required"``/``"any"`` and named tools force exactly one valid call; ``"auto"`` (and
-    ``None``) allow prose, or prose followed by one valid call; ``"none"`` constrains nothing.
+    ``"required"``/``"any"`` and named tools force valid calls; ``"auto"`` (and ``None``)
+    allow prose, and hold a call to its schema once the answer opens one; ``"none"``
+    constrains nothing. See :meth:`agentspec.chat.formats.ToolFormat.grammar`.
 
     Raises:
         GrammarError: a forced choice without tools, a name that is not bound, or a tool
             whose parameter schema llguidance cannot compile.
     """
-    if not tools or tool_choice == "none":
-        if tool_choice not in (None, "auto", "none"):
-            raise GrammarError(f"tool_choice={tool_choice!r} needs at least one bound tool")
-        return None
-    name = chosen_tool(tool_choice)
-    if name is not None and name not in tool_names(list(tools)):
-        raise GrammarError(
-            f"tool_choice {tool_choice!r} names no bound tool; bound: {tool_names(list(tools))}"
-        )
-    call = "call: " + _json_rule(tool_call_schema(tools, name), lenient=True)
-    if tool_choice in (None, "auto"):
-        # Prose ending at the first opening tag, then a call; or prose that never opens
-        # one. Plain lexemes (not llguidance's stop= rules, which cannot roll back).
-        return "\n".join([
-            f'start: OPEN call "{CALL_CLOSE}" | PROSE',
-            f"OPEN: /(?s:.*){CALL_OPEN}/ & ~/(?s:.*{CALL_OPEN}.+)/",
-            f"PROSE: /(?s:.*)/ & ~/(?s:.*{CALL_OPEN}.*)/",
-            call,
-        ])
-    return f'start: "{CALL_OPEN}" call "{CALL_CLOSE}"\n{call}'
+    return (fmt or FallbackFormat()).grammar(tools, tool_choice)

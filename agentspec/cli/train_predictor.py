@@ -42,7 +42,8 @@ def add_train_predictor_parser(sub: Any) -> None:
     p.add_argument("--report", type=Path, default=None,
                    help="also write the training report (JSON) here")
     p.add_argument("--model", default=None,
-                   help="target model: the embedded one (default) or a local HF folder")
+                   help="target model: a shipped model's name (default: embedded) or a "
+                        "local HF folder")
     p.add_argument("--workloads", default=_DEFAULT_WORKLOADS,
                    help=f"workloads to trace (default: {_DEFAULT_WORKLOADS})")
     p.add_argument("--data", default=None,

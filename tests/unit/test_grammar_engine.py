@@ -197,8 +197,11 @@ def test_runtime_picks_the_request_grammar() -> None:
         def constraint(self, grammar: str) -> str:
             return grammar
 
+    from agentspec.chat.formats.fallback import FallbackFormat
+
     rt = Runtime.__new__(Runtime)
     rt._grammars = Recorder()  # type: ignore[assignment]
+    rt.tool_format = FallbackFormat()
     tool = {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}}}}
     on, off = AgentSpec(), AgentSpec(constrained_tool_calls=False)

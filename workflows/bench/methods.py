@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from agentspec.chat.formats import format_for
 from agentspec.chat.grammar import GrammarCompiler
 from agentspec.chat.grammar_sources import tool_call_grammar
 from agentspec.drafters import OracleDrafter
@@ -168,7 +169,8 @@ class EngineMethod:
     def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
         """Run the request through the engine (under its tool grammar in constrained runs)."""
         constraint = None
-        grammar = tool_call_grammar(request.tools, "auto") if self.ctx.grammars else None
+        fmt = format_for(self.ctx.target.tokenizer)  # the model's own tool syntax
+        grammar = tool_call_grammar(request.tools, "auto", fmt) if self.ctx.grammars else None
         if self.ctx.grammars is not None and grammar is not None:
             constraint = self.ctx.grammars.constraint(grammar)
         g = self.decoder.generate(prompt, request.max_tokens, request.stop, session=session,

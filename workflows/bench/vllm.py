@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=1,
                    help="agent sessions in flight at once (each session's turns stay in "
                         "order); > 1 reports engine step and proposer milliseconds")
-    p.add_argument("--model", default=None, help="embedded model (default) or a folder")
+    p.add_argument("--model", default=None, help="shipped model name (default: embedded) or folder")
     p.add_argument("--data", default=None, help="workload data folder")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--max-model-len", type=int, default=4096)

@@ -102,7 +102,7 @@ def run_concurrent(
             return False
         prefix = getattr(req, "prefix", "")
         prompt, prefix = rt.prompt_ids(req.messages, req.tools, None, prefix)
-        stop = [*req.stop, "</tool_call>"] if req.tools else list(req.stop)
+        stop = [*req.stop, *rt.tool_format.stop] if req.tools else list(req.stop)
         rid = encode_request_id(ref)
         rt.engine.add_request(rid, {"prompt_token_ids": prompt},
                               sampling(min(req.max_tokens, max_tokens), stop))

@@ -34,7 +34,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
                         "suffix_python)")
     p.add_argument("--max-draft", type=int, default=32, help="longest draft (default 32)")
     p.add_argument("--model", default=None,
-                   help="target whose chat template and c(k) are used (default: embedded)")
+                   help="target whose chat template, tool format and c(k) are used: a "
+                        "shipped model's name (default: embedded) or a folder")
     p.add_argument("--no-costs", action="store_true",
                    help="skip loading the target to measure c(k) (est_speedup is null)")
     p.add_argument("--cost-curve", type=Path, default=None,

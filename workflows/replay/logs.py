@@ -9,7 +9,8 @@ Two input formats:
 * **JSONL of OpenAI-format message lists**: one agent run per line, either a bare list of
   messages or an object ``{"messages": [...], "tools": [...], "session": ..., "agent": ...,
   "tenant": ...}`` (all but ``messages`` optional). ``tool_calls`` and ``tool`` messages are
-  rendered the way the runtime renders them (:func:`agentspec.chat.templates.normalise_messages`).
+  rendered the way the runtime renders them for the target: in its tool format
+  (:func:`agentspec.chat.formats.format_for`; the fallback for templates without tools).
 
 Every assistant message becomes one replayed request: its prompt is the target's chat
 template applied to the messages before it (with the assistant opening), its output the
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentspec.chat.templates import normalise_messages
+from agentspec.chat.formats import format_for
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.types import SessionRef, check_id
 
@@ -170,12 +171,6 @@ def read_runs(path: Path) -> list[RawRun]:
     return runs
 
 
-def _render(tokenizer: Any, turns: list[dict[str, str]], generation: bool) -> str:
-    text = tokenizer.apply_chat_template(turns, tokenize=False,
-                                         add_generation_prompt=generation)
-    return str(text)
-
-
 def tokenize_run(run: RawRun, tokenizer: Any, eos_ids: Iterable[int]) -> list[ReplayTurn]:
     """Every assistant message of ``run`` as a (prompt, output) pair of token ids.
 
@@ -183,17 +178,22 @@ def tokenize_run(run: RawRun, tokenizer: Any, eos_ids: Iterable[int]) -> list[Re
         TraceFormatError: a message the chat rendering rejects, or a template whose
             rendering of a message does not extend the rendered prompt.
     """
+    fmt = format_for(tokenizer)
+    turns = run.messages
     try:
-        turns = normalise_messages(run.messages, run.tools)
+        fmt.template_messages(turns)  # every message checked, not only those replayed
     except ConfigError as exc:
         raise TraceFormatError(f"{run.where}: {exc}") from None
     eos = set(eos_ids)
     out: list[ReplayTurn] = []
     for i, msg in enumerate(turns):
-        if msg["role"] != "assistant" or i == 0:
+        if msg.get("role") != "assistant" or i == 0:
             continue
-        prompt = _render(tokenizer, turns[:i], True)
-        full = _render(tokenizer, turns[: i + 1], False)
+        try:
+            prompt = fmt.render_text(tokenizer, turns[:i], run.tools, True)
+            full = fmt.render_text(tokenizer, turns[: i + 1], run.tools, False)
+        except ConfigError as exc:
+            raise TraceFormatError(f"{run.where}: {exc}") from None
         if not full.startswith(prompt):
             raise TraceFormatError(f"{run.where}: message {i}: the chat template does not "
                                    "render the answer as a continuation of its prompt")

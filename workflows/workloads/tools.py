@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agentspec.chat.formats import ToolFormat
 from agentspec.chat.tool_calls import parse_tool_calls
 
 TOOLS: list[dict[str, Any]] = [
@@ -157,16 +158,23 @@ def calculate(expression: str) -> float | int:
     return round(result, 6) if isinstance(result, float) else result
 
 
-def parse_tool_call(output: str) -> tuple[str, dict[str, Any]] | None:
+def parse_tool_call(
+    output: str, fmt: ToolFormat | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """The first valid call to one of :data:`TOOLS` in a model output, if any.
 
-    Uses the runtime's parser (:func:`agentspec.chat.tool_calls.parse_tool_calls`) on the
-    ``<tool_call>`` blocks the system prompt asks for and, as a fallback for a small model,
-    on an output that is one bare JSON object with ``name`` and ``arguments``.
+    With the model's tool format ``fmt``, its parser decides. Without it, the runtime's
+    default parser (:func:`agentspec.chat.tool_calls.parse_tool_calls`) reads the ``<tool_call>``
+    blocks of the fallback and Hermes formats (the two shipped models' dialects) and, as a
+    fallback for a small model, an output that is one bare JSON object with ``name`` and
+    ``arguments``.
 
     Returns:
         ``(name, arguments)`` for a known tool with object arguments, else ``None``.
     """
+    if fmt is not None:
+        calls = fmt.parse(output, TOOL_NAMES).tool_calls
+        return (calls[0].name, calls[0].arguments) if calls else None
     stripped = output.strip()
     for text in (output, f"<tool_call>{stripped}</tool_call>" if stripped[:1] == "{" else ""):
         calls = parse_tool_calls(text, TOOL_NAMES).tool_calls if text else []
