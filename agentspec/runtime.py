@@ -25,6 +25,7 @@ from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
 
@@ -64,6 +65,7 @@ class Runtime:
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -78,7 +80,8 @@ class Runtime:
         """
         from agentspec.storage.sessions import open_store
 
-        target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
+        target = HFTarget.load(TargetConfig(model=model, dtype=dtype,
+                                            prefix_cache_bytes=prefix_cache_bytes))
         return cls(target, open_store(store, store_config), default_spec)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -85,3 +85,23 @@ def test_changed_earlier_message_and_other_tenant(
     # Another tenant sends the same prompt: nothing of edit-tenant's KV is reused.
     other = on.chat(edited, session=SessionRef("x", tenant="other"), spec=spec, max_tokens=4)
     assert other.stats.cached_prompt_tokens == 0
+
+
+def test_langchain_usage_reports_cache_reads(
+    runtimes: tuple[Runtime, Runtime, PrefixCache]
+) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from adapters.langchain import ChatAgentSpec
+
+    on, _, _ = runtimes
+    llm = ChatAgentSpec(runtime=on, store=False, session_id="lc-1", tenant="lc-tenant",
+                        max_tokens=16)
+    history = [SystemMessage(SYSTEM), HumanMessage(USERS[0])]
+    first = llm.invoke(history)
+    assert first.usage_metadata is not None
+    assert first.usage_metadata["input_token_details"] == {"cache_read": 0}
+    second = llm.invoke([*history, AIMessage(first.content), HumanMessage(USERS[1])])
+    assert second.usage_metadata is not None
+    read = second.usage_metadata["input_token_details"]["cache_read"]
+    assert first.usage_metadata["input_tokens"] - 1 <= read < second.usage_metadata["input_tokens"]
