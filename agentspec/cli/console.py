@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay_parser(sub)
 
-    from workflows.driven import add_drive_parser
+    from workflows.bench.driven import add_drive_parser
 
     add_drive_parser(sub)
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_replay_cli(args)
         if args.command == "drive":
-            from workflows.driven import run_drive_cli
+            from workflows.bench.driven import run_drive_cli
 
             return run_drive_cli(args)
         if args.command == "sessions":

@@ -36,8 +36,8 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from agentspec.tokens import eos_ids
 from agentspec.types import SessionRef
-from workflows.methods import method_spec
-from workflows.replay_traces import PACKAGED_TRACES, ReplaySession, load_sessions
+from workflows.bench.methods import method_spec
+from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 
 METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
