@@ -66,6 +66,7 @@ class Runtime:
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_spill_bytes: int = 0,
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -77,11 +78,16 @@ class Runtime:
                 store starts empty (logged), so serving never fails because of it.
             store_config: The store's limits and per-tenant quotas
                 (:class:`agentspec.storage.sessions.StoreConfig`; default limits when ``None``).
+            prefix_cache_bytes: Memory for prompt prefixes' KV reused across a tenant's
+                requests (``docs/prefix-cache.md``); 0 disables prefix reuse.
+            prefix_spill_bytes: Disk for copies of that KV under ``AGENTSPEC_HOME`` (reused
+                after a restart); 0 keeps it in memory only.
         """
         from agentspec.storage.sessions import open_store
 
         target = HFTarget.load(TargetConfig(model=model, dtype=dtype,
-                                            prefix_cache_bytes=prefix_cache_bytes))
+                                            prefix_cache_bytes=prefix_cache_bytes,
+                                            prefix_spill_bytes=prefix_spill_bytes))
         return cls(target, open_store(store, store_config), default_spec)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -64,6 +64,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    metavar="MB",
                    help="memory for prompt prefixes' KV reused across a tenant's requests "
                         f"(MiB; 0 disables prefix reuse; default {DEFAULT_PREFIX_CACHE_MB})")
+    p.add_argument("--prefix-cache-disk-mb", type=_non_negative, default=0, metavar="MB",
+                   help="disk for copies of the prefix KV under AGENTSPEC_HOME/prefix-kv, so "
+                        "sessions reuse it after a restart (MiB; default 0: memory only)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -108,7 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_tokens_per_tenant=args.tenant_max_tokens)
     try:
         runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
-                               prefix_cache_bytes=args.prefix_cache_mb << 20)
+                               prefix_cache_bytes=args.prefix_cache_mb << 20,
+                               prefix_spill_bytes=args.prefix_cache_disk_mb << 20)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2

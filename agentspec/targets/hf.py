@@ -23,6 +23,7 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
+from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 
 # Draft lengths at which c(k) is measured; others are interpolated linearly.
@@ -39,17 +40,21 @@ class TargetConfig:
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available).
         prefix_cache_bytes: Budget of the KV prefix store (see
             :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse.
+        prefix_spill_bytes: Budget of the store's disk copies under
+            ``$AGENTSPEC_HOME/prefix-kv/<model>-<dtype>`` (a session's prefix KV survives a
+            restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_spill_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefix_cache_bytes < 0:
-            raise ConfigError(
-                f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -96,6 +101,8 @@ class HFTarget:
         self._features: torch.Tensor | None = None
         self._tree_n = 0  # tokens of the latest score_tree(), until keep_tree_path()
         self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.device = device  # blocks read back from disk go to the model
         # The token ids whose KV the cache holds, in order (None: unknown, never reused),
         # the scope (tenant) they were fed under, the rows of an unresolved score_batch()
         # and the tokens of an unresolved score_tree().
@@ -118,8 +125,13 @@ class HFTarget:
         config = config or TargetConfig()
         device = config.resolved_device()
         model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
+        spill = None
+        if config.prefix_spill_bytes and config.prefix_cache_bytes:
+            # KV is only valid for the model (and dtype) that computed it: a folder each.
+            folder = f"{files.name}-{config.dtype}".replace("/", "_")
+            spill = KVSpill(agentspec_home() / "prefix-kv" / folder, config.prefix_spill_bytes)
         return cls(model, tok, files.name, config.dtype, device,
-                   PrefixCache(config.prefix_cache_bytes))
+                   PrefixCache(config.prefix_cache_bytes, spill=spill))
 
     def _keep_features(self, _module: Any, _inputs: Any, output: Any) -> None:
         self._features = output if isinstance(output, torch.Tensor) else None

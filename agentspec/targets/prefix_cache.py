@@ -17,6 +17,10 @@ Memory is bounded by ``budget_bytes`` (the blocks' key and value tensors): inser
 it evicts the least recently used blocks. Lookups and inserts touch a chain leaf first, so
 a chain's parents are always more recent than its children and evictions take the tails
 of conversations before the system prompt they share.
+
+With a :class:`~agentspec.targets.kv_spill.KVSpill` every stored block is also written to
+disk (checksummed), and a lookup that misses in memory reads it back: a session's prefix KV
+survives a restart of the process.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError
+from agentspec.targets.kv_spill import KVSpill
 
 #: Tokens per block: 16 is vLLM's default; a prompt reuses its longest shared prefix
 #: rounded down to a block (the session's live KV covers the last partial block).
@@ -60,6 +65,7 @@ class PrefixCacheStats:
         looked_up_tokens: Prompt tokens looked up.
         inserted_blocks: Blocks stored.
         evicted_blocks: Blocks dropped to stay within the budget.
+        restored_blocks: Blocks read back from the spill folder.
     """
 
     lookups: int = 0
@@ -67,6 +73,7 @@ class PrefixCacheStats:
     looked_up_tokens: int = 0
     inserted_blocks: int = 0
     evicted_blocks: int = 0
+    restored_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -80,13 +87,16 @@ class PrefixCache:
     Args:
         budget_bytes: Most bytes of key/value tensors held; 0 stores nothing.
         block_size: Tokens per block.
+        spill: Disk copies of the blocks (``None``: memory only).
+        device: Where blocks read back from disk are put (the target's device).
 
     Raises:
         ConfigError: a negative budget or a block size below 1.
     """
 
     def __init__(self, budget_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, spill: KVSpill | None = None,
+                 device: str = "cpu") -> None:
         if budget_bytes < 0:
             raise ConfigError(f"prefix cache budget must be >= 0 bytes, got {budget_bytes}")
         if block_size < 1:
@@ -96,6 +106,8 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
         self.bytes_used = 0
         self.stats = PrefixCacheStats()
+        self.spill = spill
+        self.device = device
 
     @property
     def enabled(self) -> bool:
@@ -125,11 +137,30 @@ class PrefixCache:
         out: list[_Block] = []
         b = self.block_size
         for i, key in enumerate(self._keys(scope, tokens)):
+            block_tokens = tuple(tokens[i * b : (i + 1) * b])
             blk = self._blocks.get(key)
-            if blk is None or blk.tokens != tuple(tokens[i * b : (i + 1) * b]):
+            if blk is None and self.enabled and self.spill is not None and key in self.spill:
+                blk = self._restore(key, block_tokens)
+            if blk is None or blk.tokens != block_tokens:
                 break
             out.append(blk)
         return out
+
+    def _restore(self, key: bytes, block_tokens: tuple[int, ...]) -> _Block | None:
+        """Read a spilled block back into memory (``None``: unreadable or too large)."""
+        assert self.spill is not None
+        kv = self.spill.load(key, block_tokens, self.device)
+        if kv is None:
+            return None
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if nbytes > self.budget_bytes:
+            return None
+        self._evict(self.budget_bytes - nbytes)
+        blk = _Block(block_tokens, kv, nbytes)
+        self._blocks[key] = blk
+        self.bytes_used += nbytes
+        self.stats.restored_blocks += 1
+        return blk
 
     def record(self, looked_up: int, hit: int) -> None:
         """Count a lookup served elsewhere (the target's live KV) in :attr:`stats`."""
@@ -195,6 +226,8 @@ class PrefixCache:
                 self._blocks[key] = _Block(block_tokens, parts, nbytes)
                 self.bytes_used += nbytes
                 added += 1
+                if self.spill is not None:
+                    self.spill.save(key, block_tokens, parts)
         for key in reversed(keys):  # leaf first: parents end most recent
             if key in self._blocks:
                 self._blocks.move_to_end(key)
@@ -229,4 +262,5 @@ class PrefixCache:
             "hit_rate": round(s.hit_rate, 4),
             "inserted_blocks": s.inserted_blocks,
             "evicted_blocks": s.evicted_blocks,
+            "restored_blocks": s.restored_blocks,
         }

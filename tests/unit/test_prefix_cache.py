@@ -237,3 +237,62 @@ def test_tree_and_batch_scoring_keep_track_of_the_cached_tokens(reusing: HFTarge
     got = reusing.prefill(prompt, scope="t")
     assert reusing.reused_tokens == 8
     torch.testing.assert_close(got, plain.prefill(prompt), atol=1e-5, rtol=1e-5)
+
+
+# -- the disk copies: a session's prefix KV survives a restart ---------------------------
+
+
+def test_spilled_blocks_restore_after_a_restart_with_identical_output(
+    tiny_model: torch.nn.Module, plain: HFTarget, tmp_path
+) -> None:
+    from agentspec.targets.kv_spill import KVSpill
+
+    def process() -> HFTarget:  # a fresh process: empty memory, the same spill folder
+        store = PrefixCache(50_000_000, block_size=8, spill=KVSpill(tmp_path, 10_000_000))
+        return HFTarget(tiny_model, None, "tiny-llama", "float32", "cpu", store)
+
+    parts = _session_turns(21, turns=2)
+    ref = SessionRef("s", tenant="t")
+    first = SpeculativeDecoder(process(), PromptLookupDrafter(), eos_token_ids=[1])
+    history = parts[0] + parts[1]
+    history += first.generate(history, max_tokens=16, session=ref).tokens
+    # The next request stores the finished one's KV (in memory and on disk) ...
+    first.generate([*history, 9], max_tokens=2, session=SessionRef("x", tenant="other"))
+    assert any(tmp_path.glob("*.kv"))
+    # ... and after a "restart" the session's next turn reads it back from disk.
+    restarted = process()
+    engine = SpeculativeDecoder(restarted, PromptLookupDrafter(), eos_token_ids=[1])
+    history += parts[2]
+    got = engine.generate(history, max_tokens=16, session=ref)
+    assert got.stats.cached_prompt_tokens >= (len(history) - len(parts[2])) // 8 * 8 - 8
+    assert restarted.prefix_cache is not None
+    assert restarted.prefix_cache.stats.restored_blocks > 0
+    want = SpeculativeDecoder(plain, PromptLookupDrafter(), eos_token_ids=[1])
+    assert got.tokens == want.generate(history, max_tokens=16, session=ref).tokens
+    # Another tenant finds nothing on disk either.
+    other = process()
+    other.prefill(history, scope="intruder")
+    assert other.reused_tokens == 0
+
+
+def test_corrupt_or_foreign_spill_files_are_misses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from agentspec.targets.kv_spill import KVSpill
+
+    spill = KVSpill(tmp_path, 10_000_000)
+    cache = PrefixCache(10**7, block_size=4, spill=spill)
+    tokens = list(range(10, 22))
+    cache.insert("t", tokens, _kv(12))
+    files = sorted(tmp_path.glob("*.kv"))
+    assert len(files) == 3 and spill.writes == 3
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit: the checksum no longer matches
+    files[0].write_bytes(bytes(raw))
+    fresh = PrefixCache(10**7, block_size=4, spill=KVSpill(tmp_path, 10_000_000))
+    n = fresh.match("t", tokens)
+    assert n in (0, 4, 8)  # the chain stops at the corrupt block (recomputed, never wrong)
+    assert fresh.spill is not None and fresh.spill.rejected == 1
+    assert len(list(tmp_path.glob("*.kv"))) == 2  # the corrupt file is gone
+    # Within its budget: old files go first.
+    small = KVSpill(tmp_path / "small", budget_bytes=3000)
+    PrefixCache(10**7, block_size=4, spill=small).insert("t", list(range(40)), _kv(40))
+    assert small.bytes_used <= 3000 and len(list((tmp_path / "small").glob("*.kv"))) >= 1
