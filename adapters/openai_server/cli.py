@@ -15,7 +15,6 @@ from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfi
 from agentspec.cli.args import non_negative_int, positive_int
 from agentspec.errors import AgentSpecError
 
-
 # agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB (a unit test checks it);
 # not imported here: that module pulls in torch, and a refused bind must fail in ms.
 DEFAULT_PREFIX_CACHE_MB = 1024
@@ -64,7 +63,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    metavar="MB",
                    help="memory for prompt prefixes' KV reused across a tenant's requests "
                         f"(MiB; 0 disables prefix reuse; default {DEFAULT_PREFIX_CACHE_MB})")
-    p.add_argument("--prefix-cache-disk-mb", type=_non_negative, default=0, metavar="MB",
+    p.add_argument("--prefix-cache-disk-mb", type=non_negative_int, default=0, metavar="MB",
                    help="disk for copies of the prefix KV under AGENTSPEC_HOME/prefix-kv, so "
                         "sessions reuse it after a restart (MiB; default 0: memory only)")
     p.add_argument("--log-level", default="info",
