@@ -105,3 +105,36 @@ def test_langchain_usage_reports_cache_reads(
     assert second.usage_metadata is not None
     read = second.usage_metadata["input_token_details"]["cache_read"]
     assert first.usage_metadata["input_tokens"] - 1 <= read < second.usage_metadata["input_tokens"]
+
+
+def test_random_prompts_with_eviction_mid_session(embedded_target: HFTarget) -> None:
+    """Random-token sessions, two interleaved, in a store far smaller than they are: blocks
+    are evicted mid-session, the budget holds after every request, output is unchanged."""
+    import random
+
+    from agentspec.engine import SpeculativeDecoder
+    from agentspec.factory import build_drafter, build_engine
+
+    m, tok = embedded_target.model, embedded_target.tokenizer
+    kv_per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: layers x (k, v) x heads x dims
+    store = PrefixCache(budget_bytes=200 * kv_per_token, block_size=16)
+    on = HFTarget(m, tok, embedded_target.name, "float32", embedded_target.device, store)
+    off = HFTarget(m, tok, embedded_target.name, "float32", embedded_target.device)
+    spec = AgentSpec(drafting=DraftingPolicy(method="prompt_lookup"))
+
+    def engine(target: HFTarget) -> SpeculativeDecoder:
+        return build_engine(spec, target, build_drafter(spec, target), eos_token_ids=[2])
+
+    a, b = engine(on), engine(off)
+    rng = random.Random(7)
+    histories = [[rng.randrange(100, 40000) for _ in range(120)] for _ in range(2)]
+    refs = [SessionRef(f"rand-{i}", tenant="rand") for i in range(2)]
+    for _turn in range(3):
+        for i in range(2):
+            histories[i] += [rng.randrange(100, 40000) for _ in range(rng.randrange(10, 60))]
+            got = a.generate(histories[i], max_tokens=8, session=refs[i])
+            want = b.generate(histories[i], max_tokens=8, session=refs[i])
+            assert got.tokens == want.tokens
+            assert store.bytes_used <= store.budget_bytes
+            histories[i] += got.tokens
+    assert store.stats.evicted_blocks > 0 and store.stats.hit_tokens > 0
