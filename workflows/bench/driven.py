@@ -193,7 +193,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{s['later_turns_prefilled_share']:.1%} ({s['later_turns_max_prefilled_share']:.1%}) |"
         )
     ident = "identical" if report["all_identical"] else "DIFFERENT"
-    lines.append(f"\n{report['settings']['turns']} turns; outputs of all variants: {ident}")
+    done, planned = len(report["rows"]), report["settings"]["turns"]
+    lines.append(f"\n{done} of {planned} turns; outputs of all variants: {ident}")
     return "\n".join(lines)
 
 
