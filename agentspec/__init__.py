@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
     from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
     from agentspec.storage.sessions import SessionStore, StoreConfig, open_store
     from agentspec.targets.hf import HFTarget, TargetConfig
+    from agentspec.targets.prefix_cache import PrefixCache
     from agentspec.types import (
         Draft,
         DraftContext,
@@ -87,6 +88,7 @@ _EXPORTS: dict[str, str] = {
     "ToolChoice": "agentspec.chat.api",
     "HFTarget": "agentspec.targets.hf",
     "TargetConfig": "agentspec.targets.hf",
+    "PrefixCache": "agentspec.targets.prefix_cache",
     "build_drafter": "agentspec.factory",
     "build_engine": "agentspec.factory",
     "SpeculativeDecoder": "agentspec.engine",
@@ -121,6 +123,7 @@ __all__ = [
     "GrammarError",
     "HFTarget",
     "ModelLoadError",
+    "PrefixCache",
     "PromptLookupDrafter",
     "PromptTooLongError",
     "RequestStats",

@@ -26,6 +26,7 @@ from agentspec.interfaces import (
     FeatureDrafter,
     FeatureTarget,
     PositionLimited,
+    PrefixReuseTarget,
     RequestAware,
     Target,
     TreeTarget,
@@ -309,9 +310,14 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
 
         # Prefill everything but the last prompt token: it is the first `pending` token,
-        # so the very first step can already verify a draft.
-        self.target.prefill(list(prompt[:-1]))
+        # so the very first step can already verify a draft. The tenant scopes prefix KV
+        # reuse (never across tenants); a drafter reading the target's hidden states needs
+        # every prompt position fed, so it turns reuse off.
         link = self._feature_link()
+        scope = session.tenant if session is not None and link is None else None
+        self.target.prefill(list(prompt[:-1]), scope=scope)
+        if isinstance(self.target, PrefixReuseTarget):
+            stats.cached_prompt_tokens = self.target.reused_tokens
         if link is not None:
             link[0](0, link[1]())
         stats.prefill_s = time.perf_counter() - t_start

@@ -5,7 +5,8 @@ Terms:
 
 * **target**: the model being accelerated; it holds a KV cache of the tokens fed so far.
   Required: :class:`Target`. Optional capabilities the engine checks with ``isinstance``:
-  :class:`PositionLimited` (a context window), :class:`BatchTarget` (K cache rows scored in
+  :class:`PositionLimited` (a context window), :class:`PrefixReuseTarget` (prompt
+  prefixes' KV reused across requests of a tenant), :class:`BatchTarget` (K cache rows scored in
   one forward: tree drafts, multi-draft) and :class:`FeatureTarget` (hidden states).
 * **drafter**: a source of draft tokens (:class:`Drafter`); optional capabilities:
   :class:`MultiDrafter` (K i.i.d. drafts), :class:`FeatureDrafter` (drafts from the target's
@@ -57,8 +58,11 @@ class Target(ServedModel, Protocol):
         """Positions currently held in the KV cache."""
         ...
 
-    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Reset the cache, feed ``tokens``; return the last position's logits ``[V]``."""
+    def prefill(self, tokens: Sequence[int], *, scope: str | None = None) -> torch.Tensor:
+        """Start a request whose cache holds ``tokens``; return the last position's logits
+        ``[V]``. ``scope`` (the tenant) lets a target that keeps KV across requests reuse
+        a prefix fed under the same scope; ``None``, or a target without reuse, feeds
+        every token on a reset cache. The logits are the same either way."""
         ...
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -97,6 +101,16 @@ class PositionLimited(Protocol):
     @property
     def max_positions(self) -> int:
         """Most positions (prompt + generated tokens) one request may hold."""
+        ...
+
+
+@runtime_checkable
+class PrefixReuseTarget(Target, Protocol):
+    """A target that reuses KV of earlier requests' prefixes (scoped by tenant)."""
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens of the latest :meth:`Target.prefill` taken from reused KV, not fed."""
         ...
 
 

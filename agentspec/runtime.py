@@ -26,6 +26,7 @@ from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
 
@@ -75,6 +76,8 @@ class Runtime:
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
         tool_format: str | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_spill_bytes: int = 0,
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -89,10 +92,16 @@ class Runtime:
                 (:class:`agentspec.storage.sessions.StoreConfig`; default limits when ``None``).
             tool_format: The model's tool-call format (default: chosen from its chat
                 template, see :func:`agentspec.chat.formats.choose_tool_format`).
+            prefix_cache_bytes: Memory for prompt prefixes' KV reused across a tenant's
+                requests (``docs/prefix-cache.md``); 0 disables prefix reuse.
+            prefix_spill_bytes: Disk for copies of that KV under ``AGENTSPEC_HOME`` (reused
+                after a restart); 0 keeps it in memory only.
         """
         from agentspec.storage.sessions import open_store
 
-        target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
+        target = HFTarget.load(TargetConfig(model=model, dtype=dtype,
+                                            prefix_cache_bytes=prefix_cache_bytes,
+                                            prefix_spill_bytes=prefix_spill_bytes))
         return cls(target, open_store(store, store_config), default_spec, tool_format)
 
     def decode(self, ids: Sequence[int]) -> str:

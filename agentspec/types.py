@@ -307,9 +307,12 @@ class RequestStats:
 
     Attributes:
         prompt_tokens: Tokens in the prompt.
+        cached_prompt_tokens: Prompt tokens whose KV was reused from earlier requests
+            (not fed to the target; see :mod:`agentspec.targets.prefix_cache`).
         generated_tokens: Tokens committed to the output.
         forwards: Target forward passes (prefill excluded; one per decode step).
-        prefill_s: Seconds spent on the prompt forward.
+        prefill_s: Seconds spent on the prompt forward (reuse included): the time to
+            the first decode step.
         draft_s: Seconds spent in drafters.
         verify_s: Seconds spent in target scoring plus verification.
         total_s: Wall-clock seconds of the whole request, prefill included.
@@ -317,6 +320,7 @@ class RequestStats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     forwards: int = 0
     prefill_s: float = 0.0
@@ -357,7 +361,8 @@ class RequestStats:
 
     def merge(self, other: RequestStats) -> None:
         """Add another request's numbers into this one (for per-method aggregates)."""
-        for name in ("prompt_tokens", "generated_tokens", "forwards", "exceptions"):
+        for name in ("prompt_tokens", "cached_prompt_tokens", "generated_tokens", "forwards",
+                     "exceptions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("prefill_s", "draft_s", "verify_s", "total_s", "regret"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -367,6 +372,7 @@ class RequestStats:
         """A JSON-ready summary (no per-step records)."""
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "forwards": self.forwards,
             "tokens_per_s": round(self.tokens_per_s, 3),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 from langchain_core.outputs import ChatGenerationChunk
 from langchain_core.runnables import RunnableConfig, ensure_config
@@ -145,10 +145,12 @@ def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
 
 
 def usage(result: ChatResult) -> UsageMetadata:
-    """LangChain token usage of a result."""
+    """LangChain token usage of a result; ``input_token_details["cache_read"]`` counts the
+    prompt tokens whose KV was reused from earlier requests (prefix reuse)."""
     return UsageMetadata(
         input_tokens=result.prompt_tokens, output_tokens=result.completion_tokens,
         total_tokens=result.prompt_tokens + result.completion_tokens,
+        input_token_details=InputTokenDetails(cache_read=result.stats.cached_prompt_tokens),
     )
 
 

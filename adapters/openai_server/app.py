@@ -30,6 +30,7 @@ from adapters.openai_server.routes import add_routes
 from adapters.openai_server.schemas import now
 from adapters.openai_server.service import ChatService
 from agentspec.chat.api import ChatRuntime
+from agentspec.targets.hf import HFTarget
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     model_name = config.model_name or runtime.target.name
     served = [model_name, *config.aliases]
     metrics = Metrics(model_name)
+    if isinstance(runtime.target, HFTarget) and runtime.target.prefix_cache is not None:
+        metrics.watch_prefix_cache(runtime.target.prefix_cache)
     service = ChatService(runtime.stream_chat, config, metrics)
     started = now()
 

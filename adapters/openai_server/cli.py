@@ -12,8 +12,12 @@ import sys
 from pathlib import Path
 
 from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
-from agentspec.cli.args import positive_int
+from agentspec.cli.args import non_negative_int, positive_int
 from agentspec.errors import AgentSpecError
+
+# agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB (a unit test checks it);
+# not imported here: that module pulls in torch, and a refused bind must fail in ms.
+DEFAULT_PREFIX_CACHE_MB = 1024
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,6 +63,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="largest max_tokens a request may ask for (default 4096)")
     p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="requests that may queue for the model; more get HTTP 503 (default 256)")
+    p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+                   metavar="MB",
+                   help="memory for prompt prefixes' KV reused across a tenant's requests "
+                        f"(MiB; 0 disables prefix reuse; default {DEFAULT_PREFIX_CACHE_MB})")
+    p.add_argument("--prefix-cache-disk-mb", type=non_negative_int, default=0, metavar="MB",
+                   help="disk for copies of the prefix KV under AGENTSPEC_HOME/prefix-kv, so "
+                        "sessions reuse it after a restart (MiB; default 0: memory only)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -103,7 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_tokens_per_tenant=args.tenant_max_tokens)
     try:
         runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
-                               tool_format=getattr(args, "tool_format", None))
+                               tool_format=getattr(args, "tool_format", None),
+                               prefix_cache_bytes=args.prefix_cache_mb << 20,
+                               prefix_spill_bytes=args.prefix_cache_disk_mb << 20)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2

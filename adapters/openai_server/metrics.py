@@ -7,7 +7,12 @@ built for vLLM's ``spec_decode`` metrics work after a prefix change:
 * ``agentspec:spec_decode_num_draft_tokens_total``: draft tokens proposed;
 * ``agentspec:spec_decode_num_accepted_tokens_total``: draft tokens accepted;
 * ``agentspec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}``: drafts whose
-  token at position i was accepted (acceptance rate at i = this / num_drafts).
+  token at position i was accepted (acceptance rate at i = this / num_drafts);
+* ``agentspec:prompt_tokens_cached_total``: prompt tokens whose KV was reused from earlier
+  requests of the tenant (prefix reuse; hit rate = this / ``prompt_tokens_total``), and
+  ``agentspec:prefill_seconds_total``: seconds spent reading prompts;
+* ``agentspec:prefix_cache_bytes`` / ``agentspec:prefix_cache_budget_bytes``: the prefix
+  store's use and budget (gauges, when the runtime's target has a store).
 
 Labels carry no tenant: ``/metrics`` is scraped without a key, and tenant names are the
 operator's business, not every scraper's.
@@ -29,6 +34,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import RequestStats
 
 PREFIX = "agentspec:"
@@ -84,6 +90,9 @@ class Metrics:
                                          "Drafts whose token at this position was accepted.",
                                          "position")
         prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        cached_tokens = counter("prompt_tokens_cached",
+                                "Prompt tokens whose KV was reused (prefix reuse), not fed.")
+        prefill_s = counter("prefill_seconds", "Seconds spent reading prompts (prefill).")
         generation_tokens = counter("generation_tokens", "Tokens generated.")
         forwards = counter("target_forwards", "Target model forward passes in decoding.")
         drafts = counter("spec_decode_num_drafts", "Decode steps that verified a draft.")
@@ -95,6 +104,8 @@ class Metrics:
                          "Time to the first streamed delta, queueing included.")
         # Unlabelled but for the model: present (at 0) from the start.
         self._prompt_tokens = prompt_tokens.labels(model_name)
+        self._cached_tokens = cached_tokens.labels(model_name)
+        self._prefill_s = prefill_s.labels(model_name)
         self._generation_tokens = generation_tokens.labels(model_name)
         self._forwards = forwards.labels(model_name)
         self._drafts = drafts.labels(model_name)
@@ -104,9 +115,21 @@ class Metrics:
         self._ttft = ttft.labels(model_name)
         self.registry = CollectorRegistry()
         self.registry.register(_WithoutCreated([
-            running, waiting, self._requests, self._errors, prompt_tokens, generation_tokens,
+            running, waiting, self._requests, self._errors, prompt_tokens, cached_tokens,
+            prefill_s, generation_tokens,
             forwards, drafts, draft_tokens, accepted, self._accepted_per_pos, e2e, ttft,
         ]))
+
+    def watch_prefix_cache(self, cache: PrefixCache) -> None:
+        """Expose the prefix store's bytes in use and budget as gauges (read at scrape)."""
+        m = ("model_name",)
+        used = Gauge(PREFIX + "prefix_cache_bytes", "Bytes of prompt-prefix KV held.", m,
+                     registry=None)
+        budget = Gauge(PREFIX + "prefix_cache_budget_bytes",
+                       "Budget of the prompt-prefix KV store.", m, registry=None)
+        used.labels(self.model_name).set_function(lambda: cache.bytes_used)
+        budget.labels(self.model_name).set_function(lambda: cache.budget_bytes)
+        self.registry.register(_WithoutCreated([used, budget]))
 
     def queued(self, delta: int) -> None:
         """A request entered (+1) or left (-1) the generation queue."""
@@ -155,6 +178,8 @@ class Metrics:
         with self._lock:
             self._requests.labels(self.model_name, finish_reason).inc()
             self._prompt_tokens.inc(stats.prompt_tokens)
+            self._cached_tokens.inc(stats.cached_prompt_tokens)
+            self._prefill_s.inc(stats.prefill_s)
             self._generation_tokens.inc(stats.generated_tokens)
             self._forwards.inc(stats.forwards)
             self._drafts.inc(drafts)

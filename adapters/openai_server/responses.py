@@ -34,6 +34,7 @@ from openai.types.chat.chat_completion_message_tool_call import (
     ChatCompletionMessageToolCall,
     Function,
 )
+from openai.types.completion_usage import PromptTokensDetails
 from sse_starlette import ServerSentEvent
 
 from adapters.openai_server.schemas import (
@@ -84,10 +85,14 @@ def finish_reason_of(result: ChatResult, tools_active: bool) -> FinishReason:
 
 
 def usage_of(result: ChatResult) -> CompletionUsage:
-    """Prompt and completion token counts."""
-    return CompletionUsage(prompt_tokens=result.prompt_tokens,
-                           completion_tokens=result.completion_tokens,
-                           total_tokens=result.prompt_tokens + result.completion_tokens)
+    """Prompt and completion token counts; ``prompt_tokens_details.cached_tokens`` are the
+    prompt tokens whose KV was reused from earlier requests of the tenant."""
+    return CompletionUsage(
+        prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=result.stats.cached_prompt_tokens),
+    )
 
 
 def stats_of(result: ChatResult, session_id: str | None) -> dict[str, Any]:

@@ -63,6 +63,9 @@ class EngineSettings:
         pipeline_parallel_size: Pipeline stages (across nodes with Ray).
         distributed_executor_backend: ``None`` (vLLM decides), ``"mp"`` or ``"ray"``.
         seed: Engine seed.
+        enable_prefix_caching: vLLM's automatic prefix caching (KV blocks hashed and
+            reused across requests), passed explicitly so it stays on whichever proposer
+            drafts (agentspec's proposer only reads token ids; it never touches KV).
         extra: Further ``LLM`` keyword arguments, passed through.
     """
 
@@ -74,6 +77,7 @@ class EngineSettings:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

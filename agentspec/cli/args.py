@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["csv_list", "positive_int"]
+__all__ = ["csv_list", "non_negative_int", "positive_int"]
 
 
 def csv_list(value: str) -> list[str]:
@@ -21,4 +21,12 @@ def positive_int(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def non_negative_int(value: str) -> int:
+    """An integer >= 0 (0 usually switches something off)."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replay_parser(sub)
 
+    from workflows.bench.driven import add_drive_parser
+
+    add_drive_parser(sub)
+
     gen = sub.add_parser("generate", help="answer one prompt with a model (default: embedded)",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
@@ -228,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             from workflows.replay.cli import run_replay_cli
 
             return run_replay_cli(args)
+        if args.command == "drive":
+            from workflows.bench.driven import run_drive_cli
+
+            return run_drive_cli(args)
         if args.command == "sessions":
             from agentspec.cli.sessions import run_sessions
 

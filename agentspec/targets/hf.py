@@ -23,6 +23,8 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
+from agentspec.targets.kv_spill import KVSpill
+from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 
 # Draft lengths at which c(k) is measured; others are interpolated linearly.
 _COST_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -36,13 +38,23 @@ class TargetConfig:
         model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
         dtype: ``"float32"`` (exact) or ``"bfloat16"`` (fast, not bit-exact).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available).
+        prefix_cache_bytes: Budget of the KV prefix store (see
+            :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse.
+        prefix_spill_bytes: Budget of the store's disk copies under
+            ``$AGENTSPEC_HOME/prefix-kv/<model>-<dtype>`` (a session's prefix KV survives a
+            restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_spill_bytes: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -60,9 +72,19 @@ class HFTarget:
 
     The KV cache holds every token fed since the last :meth:`prefill`; :meth:`score`
     appends, :meth:`rollback` drops positions from the end.
+
+    Prefix reuse (``prefix_cache`` with a budget, and ``prefill(..., scope=tenant)``): the
+    target knows which token ids its KV holds (every feeding method keeps ``_ids`` in step,
+    and anything it cannot follow, such as a tree never resolved, forgets them). When the
+    next request comes, the finished request's KV is stored in the scope's blocks, and
+    the new prompt is fed from the end of its longest prefix shared with the live KV (same
+    scope) or the stored blocks. Keys and values at a position depend only on the tokens up
+    to it, so the output is the same as without reuse (in fp32 up to rounding, as for any
+    draft length: token-identical in the tests).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -78,6 +100,18 @@ class HFTarget:
         # kept). Holding a reference costs nothing; only last_features() copies.
         self._features: torch.Tensor | None = None
         self._tree_n = 0  # tokens of the latest score_tree(), until keep_tree_path()
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.device = device  # blocks read back from disk go to the model
+        # The token ids whose KV the cache holds, in order (None: unknown, never reused),
+        # the scope (tenant) they were fed under, the rows of an unresolved score_batch()
+        # and the tokens of an unresolved score_tree().
+        self._ids: list[int] | None = None
+        self._scope: str | None = None
+        self._batch_rows: list[list[int]] | None = None
+        self._tree_tokens: list[int] | None = None
+        self._reusable: bool | None = None  # every cache layer a plain DynamicLayer
+        self.reused_tokens = 0  # prompt tokens the latest prefill() did not feed
         norm = getattr(getattr(model, "model", None), "norm", None)
         if isinstance(norm, torch.nn.Module):
             norm.register_forward_hook(self._keep_features)
@@ -91,7 +125,13 @@ class HFTarget:
         config = config or TargetConfig()
         device = config.resolved_device()
         model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
-        return cls(model, tok, files.name, config.dtype, device)
+        spill = None
+        if config.prefix_spill_bytes and config.prefix_cache_bytes:
+            # KV is only valid for the model (and dtype) that computed it: a folder each.
+            folder = f"{files.name}-{config.dtype}".replace("/", "_")
+            spill = KVSpill(agentspec_home() / "prefix-kv" / folder, config.prefix_spill_bytes)
+        return cls(model, tok, files.name, config.dtype, device,
+                   PrefixCache(config.prefix_cache_bytes, spill=spill))
 
     def _keep_features(self, _module: Any, _inputs: Any, output: Any) -> None:
         self._features = output if isinstance(output, torch.Tensor) else None
@@ -127,16 +167,101 @@ class HFTarget:
                 f"{self.max_positions} positions; shorten the prompt or lower max_tokens"
             )
 
-    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Reset the cache and feed ``tokens``; return the last position's logits ``[V]``."""
+    @property
+    def reuse_enabled(self) -> bool:
+        """Whether :meth:`prefill` reuses KV (a prefix store with a non-zero budget)."""
+        return self.prefix_cache is not None and self.prefix_cache.enabled
+
+    def prefill(self, tokens: Sequence[int], *, scope: str | None = None) -> torch.Tensor:
+        """Start a request: the cache ends up holding ``tokens``; return the last position's
+        logits ``[V]``.
+
+        Without ``scope`` (or with reuse disabled) the cache is reset and every token fed.
+        With ``scope`` (the tenant), the previous request's KV is first stored under its
+        own scope, then the longest prefix of ``tokens`` that the live KV (same scope) or
+        the scope's stored blocks hold is reused and only the rest is fed: at least one
+        token, so the logits are this request's. :attr:`reused_tokens` says how many
+        were reused.
+        """
         from transformers import DynamicCache
 
         self.check_fits(len(tokens))
-        self._cache = DynamicCache(config=self.model.config)
+        tokens = list(tokens)
+        self._retire()
+        self.reused_tokens = 0
+        cache: Any = None
+        if scope is not None and self.reuse_enabled and len(tokens) > 1 and self._can_reuse():
+            cache = self._reuse(scope, tokens)
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        self._cache = cache
+        self._scope = scope
+        self._ids = tokens[: self.reused_tokens]
+        self._batch_rows = self._tree_tokens = None
+        self._tree_n = 0
         if not tokens:
             self._features = torch.zeros(1, 0, int(self.model.config.hidden_size))
             return torch.zeros(self._vocab)
-        return self._forward(tokens, last_only=True)[-1]
+        logits = self._forward(tokens[self.reused_tokens :], last_only=True)[-1]
+        self._ids = tokens
+        return logits
+
+    def _can_reuse(self) -> bool:
+        """Whether this model's cache layers can be cut and rebuilt (plain full-attention
+        layers; sliding-window layers drop old positions, so they never reuse)."""
+        if self._reusable is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+
+            probe = DynamicCache(config=self.model.config)
+            self._reusable = bool(probe.layers) and all(
+                type(layer) is DynamicLayer for layer in probe.layers)
+        return self._reusable
+
+    def _reuse(self, scope: str, tokens: list[int]) -> Any:
+        """A cache holding the longest reusable prefix of ``tokens`` (``None``: nothing),
+        setting :attr:`reused_tokens`. The live cache is cut in place when it holds at
+        least as much as the store; else the stored blocks are copied into a new cache."""
+        from transformers import DynamicCache
+
+        assert self.prefix_cache is not None
+        limit = len(tokens) - 1  # feed at least one token: its logits are the answer
+        live = 0
+        # (Unresolved batch rows: the live cache has K rows, so only the store serves.)
+        if (self._scope == scope and self._ids is not None and self._cache is not None
+                and self._batch_rows is None):
+            for a, b in zip(self._ids, tokens[:limit], strict=False):
+                if a != b:
+                    break
+                live += 1
+        stored = min(self.prefix_cache.match(scope, tokens), limit)
+        if live and live >= stored:
+            drop = self.num_cached - live
+            if drop:
+                self._cache.crop(-drop)
+            self.reused_tokens = live
+            self.prefix_cache.record(len(tokens), live)
+            return self._cache
+        n, kv = self.prefix_cache.lookup(scope, tokens, limit)
+        if not n:
+            return None
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            for i, (k, v) in enumerate(kv):  # plain DynamicLayers (see _can_reuse)
+                cache.update(k, v, i)
+        self.reused_tokens = n
+        return cache
+
+    def _retire(self) -> None:
+        """Store the live KV (the request that just ended) under its scope, when its
+        token ids are known and no tree or batch rows are pending."""
+        if (self._scope is None or self._ids is None or self._cache is None
+                or not self.reuse_enabled or self._tree_n or self._batch_rows is not None
+                or not self._can_reuse() or len(self._ids) != self.num_cached):
+            return
+        assert self.prefix_cache is not None
+        self.prefix_cache.insert(self._scope, self._ids,
+                                 [(layer.keys, layer.values) for layer in self._cache.layers])
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` in one forward; return their logits ``[len(tokens), V]``."""
@@ -145,7 +270,10 @@ class HFTarget:
         if not tokens:
             raise ConfigError("score() needs at least one token")
         self.check_fits(self.num_cached + len(tokens))
-        return self._forward(tokens)
+        logits = self._forward(tokens)
+        if self._ids is not None:
+            self._ids.extend(tokens)
+        return logits
 
     def score_batch(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """Score K equal-length continuations of the cached prefix in one batched forward.
@@ -166,6 +294,7 @@ class HFTarget:
         ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
+        self._batch_rows = [list(r) for r in rows]
         return out.logits.float().cpu()  # [K, n, V] (on the CPU, as _forward)
 
     def score_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
@@ -208,6 +337,7 @@ class HFTarget:
                              position_ids=pos, use_cache=True,
                              **{self._cache_kw: self._cache})
         self._tree_n = n
+        self._tree_tokens = list(tokens)
         return out.logits[0].float().cpu()  # [n, V]
 
     def keep_tree_path(self, path: Sequence[int]) -> None:
@@ -216,6 +346,11 @@ class HFTarget:
         n_tree, self._tree_n = self._tree_n, 0
         if not n_tree:
             raise ConfigError("keep_tree_path() without a score_tree() before it")
+        tree, self._tree_tokens = self._tree_tokens, None
+        if self._ids is not None and tree is not None:
+            self._ids.extend([tree[0], *(tree[int(i)] for i in path)])
+        else:
+            self._ids = None
         past = self.num_cached - n_tree
         n = len(path)
         if n and list(path) != list(range(1, n + 1)):
@@ -237,6 +372,11 @@ class HFTarget:
     def select_row(self, row: int) -> None:
         """Keep only cache row ``row`` of the last :meth:`score_batch`."""
         self._cache.batch_select_indices(torch.tensor([row], device=self.device))
+        rows, self._batch_rows = self._batch_rows, None
+        if self._ids is not None and rows is not None and 0 <= row < len(rows):
+            self._ids.extend(rows[row])
+        else:
+            self._ids = None
         if self._features is not None and self._features.shape[0] > row:
             self._features = self._features[row : row + 1]
 
@@ -259,6 +399,15 @@ class HFTarget:
         if n:
             # transformers >= 5.2 takes a negative count of positions to remove.
             self._cache.crop(-n)
+            if self._batch_rows is not None:  # rows not yet resolved by select_row()
+                if n <= len(self._batch_rows[0]):
+                    self._batch_rows = [r[: len(r) - n] for r in self._batch_rows]
+                else:
+                    self._batch_rows, self._ids = None, None
+            elif self._tree_n:  # a tree not resolved by keep_tree_path(): unknown layout
+                self._ids = None
+            elif self._ids is not None:
+                del self._ids[len(self._ids) - n :]
 
     def verify_cost(self, k: int) -> float:
         """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache.
@@ -317,7 +466,7 @@ class HFTarget:
         """Time one forward over k tokens on a ``context``-token cache (median of repeats)."""
         gen = torch.Generator().manual_seed(0)
         ctx = torch.randint(0, self._vocab, (context,), generator=gen).tolist()
-        saved = self._cache
+        saved = self._cache, self._ids, self._scope
         self.prefill(ctx)
         self.score(ctx[:32])  # warm-up
         self.rollback(32)
@@ -332,5 +481,5 @@ class HFTarget:
                 times.append(time.perf_counter() - t0)
                 self.rollback(k)
             costs[k] = sorted(times)[len(times) // 2]
-        self._cache = saved
+        self._cache, self._ids, self._scope = saved
         return costs

@@ -26,7 +26,8 @@ from agentspec.types import SessionRef
 pytestmark = pytest.mark.integration
 
 # carol and dave are used by one test only, so their tenants start with empty caches.
-KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
+KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave",
+        "key-erin": "erin"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 DOC = ('Repeat this JSON exactly: {"city": "Paris", "days": 3, "units": "metric", '
        '"tags": ["trip", "weather"]}')
@@ -145,6 +146,36 @@ def test_sessions_warm_up_and_tenants_are_isolated(server: ServerThread, runtime
     assert store is not None
     by_tenant = {i.tenant: i.turns for i in store.list_sessions() if i.session_id == "shared-id"}
     assert by_tenant == {"carol": 2, "dave": 1}
+
+
+def test_cached_tokens_in_usage_and_metrics(server: ServerThread, runtime: Runtime) -> None:
+    """A second turn reuses the first turn's prompt and answer (prefix KV reuse): OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens, streamed or
+    not, and the Prometheus counter adds them up."""
+    client = _client(server, "key-erin", **{"X-Session-Id": "erin-chat"})
+
+    def cached_total() -> float:
+        text = httpx.get(f"{server.root}/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "agentspec:prompt_tokens_cached_total")
+
+    before = cached_total()
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": DOC}]
+    first = client.chat.completions.create(model=_model(runtime), messages=msgs,  # type: ignore[arg-type]
+                                           max_tokens=24)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # erin's first request
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Now only the city."}]
+    chunks = list(client.chat.completions.create(
+        model=_model(runtime), messages=msgs, max_tokens=8, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert first.usage.prompt_tokens - 1 <= cached < usage.prompt_tokens
+    assert cached_total() - before == cached
 
 
 def test_langchain_chat_openai(server: ServerThread, runtime: Runtime) -> None:

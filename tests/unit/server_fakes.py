@@ -95,7 +95,8 @@ class FakeRuntime:
         parsed = parse_tool_calls(text, tool_names(list(tools)) if tools else None)
         if parsed.tool_calls and finish == "stop":
             finish = "tool_calls"
-        stats = RequestStats(prompt_tokens=10, generated_tokens=len(text), forwards=2,
+        stats = RequestStats(prompt_tokens=10, cached_prompt_tokens=4,
+                             generated_tokens=len(text), forwards=2,
                              steps=[StepStats("suffix", 4, 3, 4, 0.0, 0.0),
                                     StepStats("suffix", 2, 0, 1, 0.0, 0.0),
                                     StepStats("none", 0, 0, 1, 0.0, 0.0)])

@@ -63,7 +63,8 @@ class FakeRuntime:
                 time.sleep(self.delay)
                 yield text[i : i + 4]
         parsed = parse_tool_calls(text, tool_names(tools) if tools else None)
-        stats = RequestStats(prompt_tokens=7, generated_tokens=5, forwards=2,
+        stats = RequestStats(prompt_tokens=7, cached_prompt_tokens=3, generated_tokens=5,
+                             forwards=2,
                              steps=[StepStats("suffix", 4, 3, 4, 0.0, 0.0),
                                     StepStats("none", 0, 0, 1, 0.0, 0.0)])
         result.append(ChatResult(text, parsed.content, parsed.tool_calls,
@@ -85,7 +86,8 @@ def test_invoke_metadata_and_usage() -> None:
     llm, rt = _llm("Hello there!", return_token_ids=True)
     msg = llm.invoke("Hi")
     assert msg.content == "Hello there!"
-    assert msg.usage_metadata == {"input_tokens": 7, "output_tokens": 5, "total_tokens": 12}
+    assert msg.usage_metadata == {"input_tokens": 7, "output_tokens": 5, "total_tokens": 12,
+                                  "input_token_details": {"cache_read": 3}}
     meta = msg.response_metadata
     assert meta["model_name"] == "smollm2-135m-instruct" and meta["finish_reason"] == "stop"
     spec = meta["speculative"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
@@ -218,7 +219,8 @@ def test_completion_shape_and_sessions() -> None:
     assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
     assert data["choices"][0]["message"] == {"role": "assistant", "content": "You said: hi"}
     assert data["choices"][0]["finish_reason"] == "length"
-    assert data["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
+    assert data["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
     assert data["agentspec"]["forwards"] == 2
     call = rt.calls[-1]
     assert call["max_tokens"] == 12 and call["stop"] == ["never"]
@@ -303,7 +305,8 @@ def test_response_bodies_carry_only_the_fields_the_server_sets() -> None:
     assert set(choice) == {"index", "message", "finish_reason", "logprobs"}
     assert set(choice["message"]) == {"role", "content", "tool_calls"}
     assert set(choice["message"]["tool_calls"][0]) == {"id", "type", "function"}
-    assert set(whole["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert set(whole["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens",
+                                   "prompt_tokens_details"}
     chunks, _ = _stream(client, body)
     keys = {"id", "object", "created", "model", "choices", "system_fingerprint"}
     assert all(set(c) == keys for c in chunks[:-2])
@@ -338,7 +341,8 @@ def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def test_metrics_exposition() -> None:
     m = Metrics('m"1')
-    stats = RequestStats(prompt_tokens=5, generated_tokens=7, forwards=3, steps=[
+    stats = RequestStats(prompt_tokens=5, cached_prompt_tokens=2, prefill_s=0.25,
+                         generated_tokens=7, forwards=3, steps=[
         StepStats("suffix", 4, 4, 5, 0, 0), StepStats("suffix", 3, 1, 2, 0, 0),
         StepStats("none", 0, 0, 1, 0, 0)])
     m.finished(stats, "stop", 0.3)
@@ -364,6 +368,8 @@ def test_metrics_exposition() -> None:
     assert value("http_errors_total", status="401") == 1
     assert value("generation_tokens_total") == 7
     assert value("prompt_tokens_total") == 5
+    assert value("prompt_tokens_cached_total") == 2
+    assert value("prefill_seconds_total") == pytest.approx(0.25)
     assert value("target_forwards_total") == 3
     assert value("num_requests_waiting") == 1 and value("num_requests_running") == 0
     # The latency histogram: the same buckets, cumulative counts, sum and count.
@@ -383,6 +389,27 @@ def test_metrics_exposition() -> None:
     m.aborted()
     assert _samples(m.render())[("agentspec:request_success_total", frozenset(
         {model, ("finished_reason", "abort")}))] == 1
+
+
+def test_metrics_prefix_cache_gauges_follow_the_store() -> None:
+    from agentspec.targets.prefix_cache import PrefixCache
+
+    m, store = Metrics("m"), PrefixCache(budget_bytes=4096, block_size=2)
+    m.watch_prefix_cache(store)
+    model = frozenset({("model_name", "m")})
+    assert _samples(m.render())[("agentspec:prefix_cache_bytes", model)] == 0
+    kv = [(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))]  # 2 blocks of 2 x 8 x 4 x 2
+    store.insert("t", [5, 6, 7, 8], kv)
+    samples = _samples(m.render())
+    assert samples[("agentspec:prefix_cache_bytes", model)] == 256
+    assert samples[("agentspec:prefix_cache_budget_bytes", model)] == 4096
+
+
+def test_serve_default_prefix_budget_matches_the_library() -> None:
+    from adapters.openai_server.cli import DEFAULT_PREFIX_CACHE_MB
+    from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
+
+    assert DEFAULT_PREFIX_CACHE_MB << 20 == DEFAULT_PREFIX_CACHE_BYTES
 
 
 def test_metrics_registries_are_per_instance() -> None:

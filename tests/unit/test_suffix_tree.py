@@ -351,7 +351,7 @@ def test_engine_output_unchanged_and_fewer_forwards() -> None:
             row[table.get((ctx[-2], ctx[-1]), 0) if len(ctx) > 1 else 0] = 1.0
             return row
 
-        def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        def prefill(self, tokens: Sequence[int], *, scope: str | None = None) -> torch.Tensor:
             self.cache = list(tokens)
             return self._row(self.cache)
 

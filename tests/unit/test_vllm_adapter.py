@@ -14,7 +14,7 @@ import pytest
 from adapters.vllm.proposer import AgentSpecProposer
 from adapters.vllm.request_ids import decode_request_id, encode_request_id
 from adapters.vllm.speculative import PROPOSER_CLASS, speculative_config
-from adapters.vllm.stats import SpecCounters, request_stats
+from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from agentspec.errors import AgentSpecError, ConfigError
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.types import SessionRef
@@ -98,6 +98,30 @@ def test_request_stats_from_counter_difference() -> None:
     assert sum(s.committed for s in stats.steps) == 20
     plain = request_stats(SpecCounters(), 50, 20, 1.0, "none")
     assert plain.forwards == 20 and plain.mean_accepted_len == 1.0
+
+
+def test_prefix_cache_counters_give_cached_prompt_tokens() -> None:
+    """vLLM's prefix-cache counters (with or without ``_total``) are read and differenced;
+    a request's hits become its ``cached_prompt_tokens``."""
+    metric = SimpleNamespace
+    before = read_counters([metric(name="vllm:prefix_cache_queries", value=100),
+                            metric(name="vllm:prefix_cache_hits", value=40),
+                            metric(name="vllm:spec_decode_num_drafts", value=3)])
+    after = read_counters([metric(name="vllm:prefix_cache_queries_total", value=300),
+                           metric(name="vllm:prefix_cache_hits_total", value=224),
+                           metric(name="vllm:spec_decode_num_drafts", value=3)])
+    delta = after - before
+    assert (delta.prefix_queries, delta.prefix_hits) == (200, 184)
+    assert delta.prefix_hit_rate == pytest.approx(0.92)
+    assert request_stats(delta, 200, 5, 1.0, "x").cached_prompt_tokens == 184
+
+
+def test_engine_settings_keep_prefix_caching_on() -> None:
+    from adapters.vllm.backend import EngineSettings
+
+    assert EngineSettings().llm_kwargs()["enable_prefix_caching"] is True
+    off = EngineSettings(extra={"enable_prefix_caching": False}).llm_kwargs()
+    assert off["enable_prefix_caching"] is False
 
 
 # --------------------------------------------------------------------------- proposer

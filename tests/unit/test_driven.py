@@ -1,0 +1,67 @@
+"""``agentspec drive``: which logged turns are driven, and how the report adds up."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.cli import console
+from agentspec.errors import BenchmarkError
+from agentspec.types import SessionRef
+from workflows.bench.driven import format_table, run, select_turns, summarize
+from workflows.replay.logs import ReplaySession, ReplayTurn
+
+
+def _session(name: str, prompt_lens: list[int]) -> ReplaySession:
+    turns = [ReplayTurn(list(range(n)), [1]) for n in prompt_lens]
+    return ReplaySession(name, SessionRef(name), turns)
+
+
+def test_select_turns_cuts_sessions_at_the_cap_and_stops_at_the_count() -> None:
+    sessions = [_session("a", [100, 200, 900, 300]), _session("b", [1000]),
+                _session("c", [50, 60, 70])]
+    picked = select_turns(sessions, max_prompt=600, max_tokens=64, turns=0)
+    # a is cut at its 900-token turn (later turns only grow), b never fits.
+    assert [(s.name, i) for s, i in picked] == [("a", 0), ("a", 1), ("c", 0), ("c", 1),
+                                                ("c", 2)]
+    assert len(select_turns(sessions, 600, 64, turns=3)) == 3
+
+
+def _row(session: str, turn: int, prompt: int, cached: dict[str, int],
+         latency: dict[str, float]) -> dict[str, object]:
+    return {"session": session, "turn": turn, "prompt_tokens": prompt, "identical": True,
+            "methods": {n: {"cached_tokens": c, "prefilled_tokens": prompt - c,
+                            "ttft_s": latency[n] / 2, "prefill_s": latency[n] / 3,
+                            "decode_tok_s": 10.0, "latency_s": latency[n], "generated": 8,
+                            "forwards": 8} for n, c in cached.items()}}
+
+
+def test_summary_shares_and_ratios() -> None:
+    rows = [_row("a", 0, 1000, {"plain": 0, "suffix+reuse": 0},
+                 {"plain": 9.0, "suffix+reuse": 9.0}),
+            _row("a", 1, 1200, {"plain": 0, "suffix+reuse": 1000},
+                 {"plain": 12.0, "suffix+reuse": 2.0}),
+            _row("a", 2, 1300, {"plain": 0, "suffix+reuse": 1250},
+                 {"plain": 12.0, "suffix+reuse": 1.0})]
+    report = summarize(rows, ["plain", "suffix+reuse"], {}, {"turns": 3})
+    s = report["summary"]["suffix+reuse"]
+    # Later turns: (200 + 50) prefilled of 2,500 prompt tokens; the worst turn 200/1200.
+    assert s["later_turns_prefilled_share"] == 0.1
+    assert s["later_turns_max_prefilled_share"] == round(200 / 1200, 4)
+    assert s["later_turns_over_15pct"] == 1
+    assert s["cached_tokens"] == 2250 and s["mean_latency_s"] == 4.0
+    assert report["latency_speedup_vs_plain"]["suffix+reuse_latency_vs_plain"] == 2.75
+    table = format_table(report)
+    assert "| default (suffix) | on |" in table and "2.75x" in table
+
+
+def test_bad_settings_are_refused_before_loading_a_model() -> None:
+    with pytest.raises(BenchmarkError, match="prefix_cache_bytes"):
+        run(prefix_cache_bytes=0)
+    with pytest.raises(BenchmarkError, match="nope"):
+        run(methods=["plain", "nope"])
+
+
+def test_drive_command_is_wired() -> None:
+    args = console.build_parser().parse_args(
+        ["drive", "--methods", "plain,suffix", "--turns", "31", "--max-tokens", "16"])
+    assert (args.command, args.turns, args.max_tokens) == ("drive", 31, 16)

@@ -1,0 +1,228 @@
+"""Agent sessions driven by real agent logs: ``agentspec drive``.
+
+Every logged agent run (the packaged SWE-agent trajectories by default) becomes a live
+session. At each assistant turn the model generates its *own* answer (greedy, ``max_tokens``)
+from the logged history: the rendered prompt holds the logged system prompt, user turns,
+calls and tool results, exactly as an agent platform re-sends them. Sessions run in file
+order; within a turn every method decodes the same prompt, interleaved (the order rotates
+turn by turn), so machine load hits all methods alike.
+
+Methods are agentspec's decoding methods (``plain``, ``prompt_lookup``, ``suffix`` (the
+product's default drafter), ``arctic_suffix``), each with prefix KV reuse on and off. All
+share one loaded model; each variant has a target wrapper of its own (its own live KV and,
+with reuse, its own prefix store of ``prefix_cache_bytes``) and its own tenant, so no
+variant reads another's KV or drafts. Parts are built by the product's factory.
+
+Per turn it records prompt tokens, reused (cached) tokens, time to first token (prefill plus
+the first decode step), decode tokens/s (after the first token) and the turn latency, and
+checks that every variant produced the same tokens (all methods are lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from agentspec.errors import BenchmarkError
+from agentspec.factory import build_drafter, build_engine
+from agentspec.spec import AgentSpec
+from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from agentspec.tokens import eos_ids
+from agentspec.types import SessionRef
+from workflows.bench.methods import method_spec
+from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
+
+METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
+LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
+          "arctic_suffix": "arctic"}
+
+
+def _spec(method: str, max_draft: int) -> AgentSpec:
+    # ``suffix`` is the product's default drafter (AgentSpec()'s), with the bench's length.
+    return method_spec(method, max_draft=max_draft)
+
+
+def select_turns(sessions: Sequence[ReplaySession], max_prompt: int, max_tokens: int,
+                 turns: int) -> list[tuple[ReplaySession, int]]:
+    """``(session, turn index)`` pairs in file order: a session is cut at its first turn
+    whose prompt plus answer exceeds ``max_prompt`` (later turns only grow), and the
+    selection stops after ``turns`` turns (``0``: no limit)."""
+    out: list[tuple[ReplaySession, int]] = []
+    for sess in sessions:
+        for i, turn in enumerate(sess.turns):
+            if len(turn.prompt) + max_tokens > max_prompt or (turns and len(out) >= turns):
+                break
+            out.append((sess, i))
+    return out
+
+
+def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAGED_TRACES,),
+        max_tokens: int = 64, max_prompt: int = 2560, turns: int = 30, max_draft: int = 32,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
+        out: Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Drive the logged sessions with every method, reuse on and off; return the report.
+
+    Raises:
+        BenchmarkError: unknown method, no turn fits ``max_prompt``, a zero budget, or
+            variants whose outputs differ.
+    """
+    if prefix_cache_bytes <= 0:
+        raise BenchmarkError("prefix_cache_bytes must be > 0 (the reuse-on variants need it)")
+    for m in methods:
+        if m not in METHODS:
+            raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    base = target or HFTarget.load(TargetConfig(prefix_cache_bytes=0))
+    tok = base.tokenizer
+    selected = select_turns(load_sessions(list(traces), tok), max_prompt, max_tokens, turns)
+    if not selected:
+        raise BenchmarkError(f"no logged turn fits max_prompt={max_prompt}")
+    eos = eos_ids(tok)
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tok.decode(list(ids), skip_special_tokens=True))
+
+    variants: dict[str, Any] = {}
+    stores: dict[str, PrefixCache] = {}
+    for m in methods:
+        spec = _spec(m, max_draft)
+        for reuse in (True, False):
+            name = f"{m}+reuse" if reuse else m
+            store = PrefixCache(prefix_cache_bytes) if reuse else None
+            tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store)
+            if store is not None:
+                stores[name] = store
+            variants[name] = build_engine(spec, tgt, build_drafter(spec, tgt, None),
+                                          decode=decode, eos_token_ids=eos)
+    names = list(variants)
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for k, (sess, i) in enumerate(selected):
+        prompt = sess.turns[i].prompt
+        shift = k % len(names)
+        outs: dict[str, list[int]] = {}
+        row: dict[str, Any] = {"session": sess.name, "turn": i, "prompt_tokens": len(prompt),
+                               "methods": {}}
+        for name in names[shift:] + names[:shift]:  # rotate: nobody always runs first
+            ref = SessionRef(sess.ref.session_id, tenant=f"drive-{name.replace('+', '-')}")
+            gen = variants[name].generate(prompt, max_tokens=max_tokens, session=ref)
+            st = gen.stats
+            first = st.steps[0].draft_s + st.steps[0].verify_s if st.steps else 0.0
+            decode_s = st.total_s - st.prefill_s
+            outs[name] = gen.tokens
+            row["methods"][name] = {
+                "cached_tokens": st.cached_prompt_tokens,
+                "prefilled_tokens": len(prompt) - st.cached_prompt_tokens,
+                "ttft_s": round(st.prefill_s + first, 4),
+                "prefill_s": round(st.prefill_s, 4),
+                "decode_tok_s": round(st.generated_tokens / decode_s, 3) if decode_s else 0.0,
+                "latency_s": round(st.total_s, 4),
+                "generated": st.generated_tokens,
+                "forwards": st.forwards,
+            }
+        ref_tokens = outs[names[0]]
+        row["identical"] = all(o == ref_tokens for o in outs.values())
+        rows.append(row)
+        if progress:
+            lat = " ".join(f"{n}={row['methods'][n]['latency_s']:.1f}s" for n in names)
+            print(f"[{k + 1}/{len(selected)} {time.perf_counter() - t_start:.0f}s] "
+                  f"{sess.name[:40]} turn {i} ({len(prompt)} tok): {lat}",
+                  file=sys.stderr, flush=True)
+        report = summarize(rows, names, stores, dict(
+            max_tokens=max_tokens, max_prompt=max_prompt, turns=len(selected),
+            max_draft=max_draft, prefix_cache_bytes=prefix_cache_bytes, model=base.name,
+            dtype=base.dtype, traces=[str(t) for t in traces]))
+        if out is not None:  # after every turn: a long run leaves partial results
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1))
+    if not all(r["identical"] for r in rows):
+        bad = [f"{r['session']}#{r['turn']}" for r in rows if not r["identical"]]
+        raise BenchmarkError(f"variants disagree on turns {bad}")
+    return report
+
+
+def summarize(rows: list[dict[str, Any]], names: list[str], stores: dict[str, PrefixCache],
+              settings: dict[str, Any]) -> dict[str, Any]:
+    """Per-variant means, the prefilled share after each session's first turn, ratios."""
+    later = [r for r in rows if r["turn"] > 0]
+    summary: dict[str, Any] = {}
+    for n in names:
+        per = [r["methods"][n] for r in rows]
+        share = [r["methods"][n]["prefilled_tokens"] / r["prompt_tokens"] for r in later]
+        summary[n] = {
+            "turns": len(per),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "cached_tokens": sum(p["cached_tokens"] for p in per),
+            "mean_ttft_s": round(mean(p["ttft_s"] for p in per), 4),
+            "mean_prefill_s": round(mean(p["prefill_s"] for p in per), 4),
+            "mean_decode_tok_s": round(mean(p["decode_tok_s"] for p in per), 3),
+            "mean_latency_s": round(mean(p["latency_s"] for p in per), 4),
+            "later_turns_prefilled_share": round(
+                sum(r["methods"][n]["prefilled_tokens"] for r in later)
+                / max(1, sum(r["prompt_tokens"] for r in later)), 4),
+            "later_turns_max_prefilled_share": round(max(share), 4) if share else None,
+            "later_turns_over_15pct": sum(s > 0.15 for s in share),
+            "store": stores[n].to_dict() if n in stores else None,
+        }
+    base = summary.get("plain", {}).get("mean_latency_s")
+    ratios = {f"{n}_latency_vs_plain": round(base / s["mean_latency_s"], 3)
+              for n, s in summary.items() if base and s["mean_latency_s"]}
+    return {"settings": settings, "summary": summary, "latency_speedup_vs_plain": ratios,
+            "all_identical": all(r["identical"] for r in rows), "rows": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown: one row per variant."""
+    lines = ["| method | reuse | mean TTFT s | mean prefill s | decode tok/s | mean turn s | "
+             "vs plain | cached / prompt tokens | prefilled share, later turns (max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, s in report["summary"].items():
+        m, reuse = (n[: -len("+reuse")], "on") if n.endswith("+reuse") else (n, "off")
+        speed = report["latency_speedup_vs_plain"].get(f"{n}_latency_vs_plain", 0.0)
+        lines.append(
+            f"| {LABELS.get(m, m)} | {reuse} | {s['mean_ttft_s']:.2f} | "
+            f"{s['mean_prefill_s']:.2f} | {s['mean_decode_tok_s']:.1f} | "
+            f"{s['mean_latency_s']:.2f} | {speed:.2f}x | "
+            f"{s['cached_tokens']:,} / {s['prompt_tokens']:,} | "
+            f"{s['later_turns_prefilled_share']:.1%} ({s['later_turns_max_prefilled_share']:.1%}) |"
+        )
+    ident = "identical" if report["all_identical"] else "DIFFERENT"
+    done, planned = len(report["rows"]), report["settings"]["turns"]
+    lines.append(f"\n{done} of {planned} turns; outputs of all variants: {ident}")
+    return "\n".join(lines)
+
+
+def add_drive_parser(sub: Any) -> None:
+    """The ``agentspec drive`` sub-command."""
+    p = sub.add_parser(
+        "drive", help="drive live agent sessions from logged agent runs (prefix reuse bench)",
+        description="Every logged run becomes a live session; the model answers each "
+                    "assistant turn from the logged history. Methods with prefix KV reuse "
+                    "on and off, interleaved turn by turn; TTFT, decode tokens/s, latency.")
+    p.add_argument("traces", nargs="*", default=[str(PACKAGED_TRACES)],
+                   help="SWE-agent .traj / JSONL files or folders (default: the packaged "
+                        "SWE-agent trajectories)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=2560,
+                   help="cut a session at its first turn whose prompt + answer exceeds this")
+    p.add_argument("--turns", type=int, default=30, help="most turns in all (0: all)")
+    p.add_argument("--max-draft", type=int, default=32)
+    p.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
+                   help="prefix store budget per reuse variant (MiB)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+
+
+def run_drive_cli(args: argparse.Namespace) -> int:
+    """Run ``agentspec drive`` and print its table."""
+    report = run([m.strip() for m in args.methods.split(",") if m.strip()], args.traces,
+                 args.max_tokens, args.max_prompt, args.turns, args.max_draft,
+                 args.prefix_cache_mb << 20, out=args.out)
+    print(format_table(report))
+    return 0
