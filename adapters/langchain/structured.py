@@ -89,6 +89,14 @@ def token_limit(kwargs: Mapping[str, Any]) -> Any:
     return None
 
 
+def _pydantic_json_schema(model: Any) -> dict[str, Any]:
+    """The JSON schema of a pydantic model class, v2 (``model_json_schema``) or v1
+    (``pydantic.v1.BaseModel.schema``)."""
+    if hasattr(model, "model_json_schema"):
+        return dict(model.model_json_schema())
+    return dict(model.schema())
+
+
 def _schema_name(schema: Any, json_schema: dict[str, Any]) -> str:
     if isinstance(schema, type):
         return schema.__name__
@@ -131,7 +139,10 @@ def structured_runnable(
         if method == "json_schema":
             if schema is None:
                 raise ConfigError("method='json_schema' needs a schema")
-            js = (schema.model_json_schema() if pydantic else convert_to_json_schema(schema))
+            # pydantic v2 models have model_json_schema(); v1 models (pydantic.v1, which
+            # langchain-tests checks too) only schema().
+            js = (_pydantic_json_schema(schema) if pydantic
+                  else convert_to_json_schema(schema))
             fmt: dict[str, Any] = {"type": "json_schema", "json_schema": {
                 "name": _schema_name(schema, js), "schema": js, "strict": True}}
         else:

@@ -39,6 +39,23 @@ def test_json_schema_is_the_default_method() -> None:
     assert rt.calls[0]["tools"] is None
 
 
+def test_pydantic_v1_models_take_the_json_schema_method() -> None:
+    """A ``pydantic.v1`` model has ``schema()``, not ``model_json_schema()`` (it raised
+    AttributeError before): its schema reaches the grammar and the reply parses to it."""
+    from pydantic import v1
+
+    class Town(v1.BaseModel):
+        name: str
+        population: int
+
+    llm, rt = _llm('{"name": "Bergen", "population": 290000}')
+    out = llm.with_structured_output(Town).invoke("a town")
+    assert isinstance(out, Town) and out.population == 290000
+    fmt = rt.calls[0]["response_format"]
+    assert fmt["json_schema"]["name"] == "Town"
+    assert fmt["json_schema"]["schema"]["required"] == ["name", "population"]
+
+
 def test_json_mode_asks_for_any_json_object() -> None:
     llm, rt = _llm('{"name": "Oslo", "population": 1}')
     out = llm.with_structured_output(City, method="json_mode").invoke("a city")
