@@ -50,8 +50,11 @@ def test_summary_shares_and_ratios() -> None:
     assert s["later_turns_over_15pct"] == 1
     assert s["cached_tokens"] == 2250 and s["mean_latency_s"] == 4.0
     assert report["latency_speedup_vs_plain"]["suffix+reuse_latency_vs_plain"] == 2.75
+    # Later turns only: plain 12.0 s, suffix+reuse (2.0 + 1.0) / 2 = 1.5 s -> 8x.
+    assert s["later_turns_mean_latency_s"] == 1.5
+    assert report["later_turns_latency_speedup_vs_plain"]["suffix+reuse_latency_vs_plain"] == 8.0
     table = format_table(report)
-    assert "| default (suffix) | on |" in table and "2.75x" in table
+    assert "| default (suffix) | on |" in table and "2.75x" in table and "8.00x" in table
 
 
 def test_bad_settings_are_refused_before_loading_a_model() -> None:
@@ -63,5 +66,6 @@ def test_bad_settings_are_refused_before_loading_a_model() -> None:
 
 def test_drive_command_is_wired() -> None:
     args = console.build_parser().parse_args(
-        ["drive", "--methods", "plain,suffix", "--turns", "31", "--max-tokens", "16"])
-    assert (args.command, args.turns, args.max_tokens) == ("drive", 31, 16)
+        ["drive", "--methods", "plain,suffix", "--turns", "31", "--max-tokens", "16",
+         "--model", "qwen"])
+    assert (args.command, args.turns, args.max_tokens, args.model) == ("drive", 31, 16, "qwen")
