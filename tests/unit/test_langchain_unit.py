@@ -34,6 +34,7 @@ from adapters.langchain import (
 from adapters.langchain import runtimes as runtimes_mod
 from adapters.langchain.messages import VisibleText
 from agentspec.chat.api import ChatResult
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.templates import normalise_messages
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import AgentSpecError, ConfigError, StoreBusyError
@@ -50,6 +51,7 @@ class FakeRuntime:
         self.outputs, self.delay, self.busy = list(outputs), delay, busy
         self.calls: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.tool_format = FallbackFormat()  # the scripted outputs' <tool_call> markup
 
     def stream_chat(self, messages: Any, tools: Any = None, *, result: list[ChatResult],
                     **kw: Any) -> Iterator[str]:
