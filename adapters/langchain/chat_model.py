@@ -46,6 +46,7 @@ from adapters.langchain.structured import (
     token_limit,
 )
 from agentspec.chat.api import ChatRuntime
+from agentspec.chat.formats import check_format_name
 from agentspec.errors import ConfigError
 from agentspec.models import EMBEDDED_MODEL
 from agentspec.spec import AgentSpec
@@ -94,6 +95,10 @@ class ChatAgentSpec(BaseChatModel):
         model_name: Embedded model name or a local Hugging Face folder (alias ``model``;
             default from ``AGENTSPEC_MODEL``, else the embedded model).
         dtype: ``float32`` (output identical to plain greedy decoding) or ``bfloat16``.
+        tool_format: The model's tool-call format: ``hermes``, ``llama3_json``,
+            ``mistral``, ``mistral_v11`` or ``fallback`` (default: chosen from the model's
+            chat template; see ``docs/tool-formats.md``). With ``runtime`` given it must
+            name that runtime's format.
         temperature: Sampling temperature; 0 is greedy. Overrides the agent spec's when set.
         max_tokens: Most tokens generated per call (aliases: ``max_completion_tokens``,
             ``num_predict``).
@@ -126,6 +131,7 @@ class ChatAgentSpec(BaseChatModel):
         default_factory=from_env("AGENTSPEC_MODEL", default=EMBEDDED_MODEL), alias="model"
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    tool_format: str | None = None
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int | None = Field(default=256, ge=1)
     stop: list[str] | None = None
@@ -174,11 +180,18 @@ class ChatAgentSpec(BaseChatModel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # Checked here, outside pydantic, so a bad id raises agentspec's ConfigError (a
-        # ValueError) rather than being re-wrapped into a pydantic ValidationError.
+        # Checked here, outside pydantic, so a bad id or format raises agentspec's
+        # ConfigError (a ValueError) rather than being re-wrapped into a ValidationError,
+        # and before any model loads.
         if self.session_id is not None:
             check_id("session", self.session_id)
         check_id("tenant", self.tenant)
+        if self.tool_format is not None:
+            check_format_name(self.tool_format)
+            given = self.runtime.tool_format.name if self.runtime is not None else None
+            if given not in (None, self.tool_format):
+                raise ConfigError(f"tool_format={self.tool_format!r} differs from the given "
+                                  f"runtime's format {given!r}; set it on the runtime")
 
     # -- LangChain metadata ---------------------------------------------------------------
 
@@ -189,7 +202,8 @@ class ChatAgentSpec(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "model_name": self.model_name, "dtype": self.dtype, "temperature": self.temperature,
+            "model_name": self.model_name, "dtype": self.dtype, "tool_format": self.tool_format,
+            "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "agent_spec": self.agent_spec.model_dump() if self.agent_spec else None,
         }
@@ -351,7 +365,7 @@ class ChatAgentSpec(BaseChatModel):
         session = (SessionRef(str(session_id), self.tenant, spec.name)
                    if session_id is not None else None)
         model = kwargs.get("model") or self.model_name
-        runtime = self.runtime or shared_runtime(model, self.dtype, self.store)
+        runtime = self.runtime or shared_runtime(model, self.dtype, self.store, self.tool_format)
         return ChatRequest(
             runtime=runtime, messages=converted, tools=tools,
             tool_choice=choice, session=session, spec=spec, max_tokens=max_tokens,

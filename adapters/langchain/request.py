@@ -206,8 +206,7 @@ def stream_chunks(req: ChatRequest) -> Generator[ChatGenerationChunk, None, None
     final chunk, exactly as ``invoke`` returns it.
     """
     out: list[ChatResult] = []
-    visible = (VisibleText(getattr(req.runtime, "tool_format", None)) if _tools_active(req)
-               else None)
+    visible = VisibleText(req.runtime.tool_format) if _tools_active(req) else None
     for delta in stream_deltas(req, out):
         text = visible.feed(delta) if visible is not None else delta
         if text:

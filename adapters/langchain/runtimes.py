@@ -4,8 +4,9 @@ Loading the embedded model takes seconds and holds a few hundred MB, and LangCha
 creates chat model instances freely (per agent, per test, per ``bind``), so instances never
 own a model: they ask this module for a :class:`~agentspec.runtime.Runtime`.
 
-A runtime is kept per (model, dtype, store): requests with different session stores must not
-share drafter histories. Runtimes over the same model share its target *and its lock*: the
+A runtime is kept per (model, dtype, store, tool format): requests with different session
+stores must not share drafter histories, and a runtime renders, constrains and parses tool
+calls in one format. Runtimes over the same model share its target *and its lock*: the
 target holds a single KV cache, so only one request may decode on it at a time, whichever
 runtime it came through.
 """
@@ -17,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from agentspec.chat.formats import check_format_name
 from agentspec.runtime import Runtime
 from agentspec.targets.hf import HFTarget, TargetConfig
 
@@ -26,7 +28,7 @@ StoreArg = bool | str | Path | None
 
 _GUARD = threading.Lock()
 _TARGETS: dict[tuple[str, str], tuple[HFTarget, threading.RLock]] = {}
-_RUNTIMES: dict[tuple[str, str, str], Runtime] = {}
+_RUNTIMES: dict[tuple[str, str, str, str], Runtime] = {}
 _TOKENIZERS: dict[str, Any] = {}
 
 
@@ -38,22 +40,30 @@ def _store_key(store: StoreArg) -> str:
     return str(Path(str(store)).expanduser().resolve())
 
 
-def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = True) -> Runtime:
-    """The process-wide runtime for ``model`` / ``dtype`` / ``store``, loaded on first use.
+def shared_runtime(
+    model: str | None, dtype: str = "float32", store: StoreArg = True,
+    tool_format: str | None = None,
+) -> Runtime:
+    """The process-wide runtime for ``model`` / ``dtype`` / ``store`` / ``tool_format``,
+    loaded on first use (runtimes that differ only in store or format share the model).
 
     Args:
         model: Embedded model name (``None`` for the default) or a local model folder.
         dtype: ``float32`` (exact) or ``bfloat16``.
         store: ``True`` for the default session store under ``AGENTSPEC_HOME``, a path for
             a SQLite file, or ``False``/``None`` to keep session caches in memory only.
+        tool_format: The model's tool-call format (``None``: chosen from its chat template,
+            see :func:`agentspec.chat.formats.choose_tool_format`).
 
     Raises:
         ModelLoadError: the model cannot be found or loaded.
-        ConfigError: an invalid dtype.
+        ConfigError: an invalid dtype or an unknown ``tool_format`` (checked before loading).
     """
     from agentspec.storage.sessions import open_store
 
-    key = (model or "", dtype, _store_key(store))
+    if tool_format is not None:
+        check_format_name(tool_format)
+    key = (model or "", dtype, _store_key(store), tool_format or "")
     with _GUARD:
         runtime = _RUNTIMES.get(key)
         if runtime is not None:
@@ -63,7 +73,7 @@ def shared_runtime(model: str | None, dtype: str = "float32", store: StoreArg = 
             target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
             _TARGETS[target_key] = (target, threading.RLock())
         target, lock = _TARGETS[target_key]
-        runtime = Runtime(target, open_store(store))
+        runtime = Runtime(target, open_store(store), tool_format=tool_format)
         runtime.lock = lock  # one KV cache per target: all its runtimes take the same lock
         _RUNTIMES[key] = runtime
         return runtime

@@ -114,7 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_tokens_per_tenant=args.tenant_max_tokens)
     try:
         runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
-                               tool_format=getattr(args, "tool_format", None),
+                               tool_format=args.tool_format,
                                prefix_cache_bytes=args.prefix_cache_mb << 20,
                                prefix_spill_bytes=args.prefix_cache_disk_mb << 20)
     except AgentSpecError as exc:

@@ -92,7 +92,7 @@ def add_routes(
         served: Model names this server answers to (the first is the model's own).
         started: Unix time the server started (the models' ``created``).
     """
-    answers = Answers(metrics, served[0], getattr(runtime, "tool_format", None))
+    answers = Answers(metrics, served[0], runtime.tool_format)
 
     def tenant_of(request: Request) -> str:
         if config.local_only and not is_loopback(request.client.host if request.client else None):

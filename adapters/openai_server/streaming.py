@@ -22,6 +22,7 @@ from adapters.openai_server.errors import from_exception
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.schemas import wire
 from adapters.openai_server.service import Generation, Job
+from agentspec.chat.formats import ToolFormat
 
 __all__ = ["Answers"]
 
@@ -35,7 +36,8 @@ class _ClientGone(Exception):
 class Answers:
     """Writes the responses of the model ``model_name``, counting them in ``metrics``."""
 
-    def __init__(self, metrics: Metrics, model_name: str, tool_format: Any = None) -> None:
+    def __init__(self, metrics: Metrics, model_name: str,
+                 tool_format: ToolFormat | None = None) -> None:
         self.metrics = metrics
         self.model_name = model_name
         self.tool_format = tool_format  # the model's (streamed text is held from a call on)

@@ -163,6 +163,12 @@ class ChatRuntime(Protocol):
         ...
 
     @property
+    def tool_format(self) -> ToolFormat:
+        """The model's tool-call format, bound to its tokenizer: faces stream, parse and
+        write calls back in it (see :mod:`agentspec.chat.formats`)."""
+        ...
+
+    @property
     def lock(self) -> AbstractContextManager[Any]:
         """Held while a request decodes (requests are served one at a time)."""
         ...

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from agentspec.chat.api import ChatResult
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.spec import AgentSpec
@@ -43,6 +44,7 @@ class FakeRuntime:
         self.calls: list[dict[str, Any]] = []
         self.release = threading.Event()
         self.lock = threading.RLock()
+        self.tool_format = FallbackFormat()  # the replies' <tool_call> markup
 
     def reply(self, messages: Sequence[dict[str, Any]], tool_choice: Any) -> str:
         """The scripted text for a conversation."""

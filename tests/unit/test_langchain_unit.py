@@ -34,6 +34,7 @@ from adapters.langchain import (
 from adapters.langchain import runtimes as runtimes_mod
 from adapters.langchain.messages import VisibleText
 from agentspec.chat.api import ChatResult
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.templates import normalise_messages
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
 from agentspec.errors import AgentSpecError, ConfigError, StoreBusyError
@@ -50,6 +51,7 @@ class FakeRuntime:
         self.outputs, self.delay, self.busy = list(outputs), delay, busy
         self.calls: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.tool_format = FallbackFormat()  # the scripted outputs' <tool_call> markup
 
     def stream_chat(self, messages: Any, tools: Any = None, *, result: list[ChatResult],
                     **kw: Any) -> Iterator[str]:
@@ -345,4 +347,37 @@ def test_shared_runtime_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) ->
     c = runtimes_mod.shared_runtime("m", "float32", tmp_path / "s.db")
     assert a is b and a is not c and len(loads) == 1
     assert c.target is a.target and c.lock is a.lock and c.store is not None
+    # Keyed by the tool format too: same model and lock, its own format.
+    d = runtimes_mod.shared_runtime("m", "float32", False, "hermes")
+    assert d is not a and d is runtimes_mod.shared_runtime("m", "float32", False, "hermes")
+    assert d.target is a.target and d.lock is a.lock and len(loads) == 1
+    assert (a.tool_format.name, d.tool_format.name) == ("fallback", "hermes")
+    with pytest.raises(ConfigError, match="'hermes2' is unknown"):
+        runtimes_mod.shared_runtime("other", "float32", False, "hermes2")
+    assert len(loads) == 1  # rejected before any load
     runtimes_mod.clear_runtimes()
+
+
+def test_tool_format_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"tool_format 'qwen' is unknown; use one of "
+                                          r"\['fallback', 'hermes', 'llama3_json'") as info:
+        ChatAgentSpec(tool_format="qwen", store=False)
+    assert type(info.value) is ConfigError  # not re-wrapped by pydantic
+    requested: list[tuple[Any, ...]] = []
+
+    def fake_shared(*args: Any) -> FakeRuntime:
+        requested.append(args)
+        return FakeRuntime("hi")
+
+    monkeypatch.setattr("adapters.langchain.chat_model.shared_runtime", fake_shared)
+    llm = ChatAgentSpec(tool_format="llama3_json", store=False)
+    assert llm.invoke("x").content == "hi"
+    assert requested == [("smollm2-135m-instruct", "float32", False, "llama3_json")]
+    assert llm._identifying_params["tool_format"] == "llama3_json"
+    assert llm.model_dump()["tool_format"] == "llama3_json"
+    assert ChatAgentSpec(store=False)._identifying_params["tool_format"] is None
+    # A given runtime has its format already: a different one cannot be honoured.
+    ChatAgentSpec(runtime=FakeRuntime(), tool_format="fallback")
+    with pytest.raises(ConfigError, match="'hermes' differs from the given runtime's format "
+                                          "'fallback'"):
+        ChatAgentSpec(runtime=FakeRuntime(), tool_format="hermes")

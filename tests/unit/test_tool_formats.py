@@ -148,6 +148,18 @@ def test_each_format_parses_its_own_calls(name: str) -> None:
     assert fmt.parse("Just prose.", ["get_weather"]).content == "Just prose."
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_call_example_is_the_formats_own_syntax(name: str) -> None:
+    fmt = FORMATS[name]()
+    example = fmt.call_example("get_weather", '{"city": "Oslo"}')
+    parsed = fmt.parse(example, ["get_weather"])
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather",
+                                                                   {"city": "Oslo"})]
+    assert parsed.content == "" and not parsed.invalid_tool_calls
+    # Only the fallback's template says nothing about calls (agentspec's preamble does).
+    assert fmt.template_instructs is (name != "fallback")
+
+
 def test_hermes_takes_bare_and_fenced_calls_of_bound_tools_only() -> None:
     fmt = FORMATS["hermes"]()
     body = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agentspec.errors import BenchmarkError
+from agentspec.chat.formats import FORMATS, choose_tool_format, format_for
+from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.formats.llama3 import Llama3JsonFormat
+from agentspec.chat.formats.mistral import MistralFormat
+from agentspec.errors import BenchmarkError, ConfigError
 from agentspec.types import check_id
 from workflows.workloads.base import Request
 from workflows.workloads.datasets import (
@@ -30,7 +34,7 @@ from workflows.workloads.delegate52 import (
 )
 from workflows.workloads.instructedit import InstructEditWorkload, extract_code, run_test
 from workflows.workloads.open_chat import ChatWorkload
-from workflows.workloads.tool_agent import ToolAgentWorkload
+from workflows.workloads.tool_agent import SYSTEM_PROMPT, ToolAgentWorkload, system_prompt
 from workflows.workloads.tools import TOOLS, FakeTools, calculate, parse_tool_call, strip_tool_calls
 
 
@@ -315,6 +319,99 @@ def test_tool_agent_metrics_and_fake_tools() -> None:
     assert calculate("(3 + 4) * 2") == 14
     with pytest.raises(ValueError):
         calculate("9 ** 9 ** 9")
+
+
+#: The tool agent's system prompt before it spoke the model's tool format: the fallback
+#: format (SmolLM2) must keep it byte for byte.
+OLD_SYSTEM_PROMPT = (
+    "You are an agent that completes tasks with tools. To call a tool, reply with exactly one "
+    'line: <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>. Tool results come '
+    "back as JSON in tool messages. When the task is done, answer the user in plain text."
+)
+#: sha256 of the SmolLM2 prompt ids of every request of the default sessions (5 turns) fed
+#: the outputs below, computed on main before the change (21 requests).
+SMOLLM2_PROMPTS_SHA256 = "e54362fe44d5200ddd8620e23719d3fb3fb618f4befa69e7d1d1c1dcf1f5d62c"
+PIN_OUTPUTS = (
+    'Step 1.\n<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>',
+    '{"name": "search", "arguments": {"query": "x"}}',
+    "Thinking <tool_call>not json</tool_call> done",
+    "plain answer",
+)
+
+
+def test_tool_agent_fallback_prompt_is_unchanged() -> None:
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from agentspec.models import resolve_model
+
+    assert SYSTEM_PROMPT == OLD_SYSTEM_PROMPT == system_prompt(FallbackFormat())
+    tok = AutoTokenizer.from_pretrained(resolve_model().path)
+    fmt = format_for(tok)
+    assert fmt.name == "fallback"
+    digest, count = hashlib.sha256(), 0
+    for session in ToolAgentWorkload(tool_format=fmt).sessions(None, 5):
+        out, i = None, 0
+        while (request := session.next_request(out)) is not None:
+            assert request.messages[0]["content"] == OLD_SYSTEM_PROMPT
+            digest.update(json.dumps(request.prompt_ids(tok)).encode())
+            count += 1
+            out, i = PIN_OUTPUTS[i % len(PIN_OUTPUTS)], i + 1
+    assert (count, digest.hexdigest()) == (21, SMOLLM2_PROMPTS_SHA256)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_tool_agent_prompt_per_format(name: str) -> None:
+    fmt = FORMATS[name]()
+    prompt = system_prompt(fmt)
+    first = next(iter(ToolAgentWorkload(tool_format=name).sessions(1, 2))).next_request(None)
+    assert first is not None and first.messages[0]["content"] == prompt
+    if name == "fallback":
+        assert prompt == OLD_SYSTEM_PROMPT
+    else:  # the template teaches the syntax: no tag or call example in the agent's prompt
+        assert "To call a tool" not in prompt and "<tool_call>" not in prompt
+        assert prompt == OLD_SYSTEM_PROMPT.replace(
+            'To call a tool, reply with exactly one line: <tool_call>{"name": "<tool>", '
+            '"arguments": {...}}</tool_call>. ', "")
+    with pytest.raises(ConfigError, match="'qwen' is unknown"):
+        ToolAgentWorkload(tool_format="qwen")
+
+
+def test_tool_agent_speaks_hermes() -> None:
+    from test_tool_formats import FAMILIES, TEMPLATES, byte_tokenizer
+
+    template, eos, special, added = FAMILIES["hermes"]
+    tok = byte_tokenizer((TEMPLATES / template).read_text(), eos, special, added)
+    fmt = choose_tool_format(tok)
+    assert fmt.name == "hermes"
+    session = next(iter(ToolAgentWorkload(tool_format=fmt).sessions(1, 4)))
+    request = session.next_request(None)
+    assert request is not None
+    rendered = tok.decode(request.prompt_ids(tok))
+    # The call syntax is taught once, by the template; the agent's prompt follows it.
+    assert rendered.count("Call a function as <tool_call>") == 1
+    assert system_prompt(fmt) in rendered and "To call a tool" not in rendered
+    planned = request.meta["planned_tool"]
+    block = f'Checking.\n<tool_call>\n{{"name": "{planned}", "arguments": {{}}}}\n</tool_call>'
+    assert session.turn_metrics(request, block)["matches_plan"] is True
+    bare = f'{{"name": "{planned}", "arguments": {{}}}}'  # Qwen2.5-Coder's habit
+    assert session.turn_metrics(request, bare)["matches_plan"] is True
+    nxt = session.next_request(block)
+    assert nxt is not None and nxt.messages[-2]["content"] == "Checking."
+    assert "<tool_call>" in tok.decode(nxt.prompt_ids(tok))  # the template writes the call
+    assert strip_tool_calls(bare, fmt) == ""
+
+
+def test_strip_tool_calls_per_format() -> None:
+    assert strip_tool_calls('{"name": "search", "parameters": {"query": "x"}}',
+                            Llama3JsonFormat()) == ""
+    assert strip_tool_calls('Sure. [TOOL_CALLS] [{"name": "search", "arguments": {}}]',
+                            MistralFormat()) == "Sure."
+    assert strip_tool_calls("Just prose.", MistralFormat()) == "Just prose."
+    # The fallback keeps the workload's own rules: a block that is not JSON stays.
+    odd = "Thinking <tool_call>not json</tool_call> done"
+    assert strip_tool_calls(odd, FallbackFormat()) == strip_tool_calls(odd) == odd
 
 
 # --- chat -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from agentspec.chat.formats import format_for
 from agentspec.chat.grammar import GrammarCompiler
 from agentspec.chat.templates import render_prompt
 from agentspec.engine import EngineConfig
@@ -165,8 +166,10 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                 if cfg.constrained else None)
     ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft), grammars=grammars)
     built = [build_method(m, ctx) for m in methods]  # fail fast on unknown names
+    fmt = format_for(target.tokenizer)  # the tool agent speaks the model's tool format
     workloads = [
-        load_workload(w, cfg.data_dir, prompt_style=cfg.relay_prompt) for w in cfg.workloads
+        load_workload(w, cfg.data_dir, prompt_style=cfg.relay_prompt, tool_format=fmt)
+        for w in cfg.workloads
     ]
     _warm_up(target, ctx)
     results: list[dict[str, Any]] = []

@@ -31,6 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from agentspec.chat.formats import format_for
 from agentspec.engine import EngineConfig
 from agentspec.errors import BenchmarkError
 from agentspec.targets.hf import HFTarget, TargetConfig
@@ -109,7 +110,9 @@ def run(methods: list[str], mix: list[Part], max_draft: int = 32, progress: bool
     totals: dict[str, dict[str, RequestStats]] = defaultdict(
         lambda: {m: RequestStats() for m in methods})
     per_turn: list[dict[str, Any]] = []
-    loads = [(p, list(load_workload(p.workload, None).sessions(p.limit, p.turns))) for p in mix]
+    fmt = format_for(target.tokenizer)  # the tool agent speaks the model's tool format
+    loads = [(p, list(load_workload(p.workload, None, tool_format=fmt)
+                      .sessions(p.limit, p.turns))) for p in mix]
     bar = tqdm(total=sum(getattr(s, "turns", p.turns) for p, ss in loads for s in ss),
                desc="interleaved", disable=not progress, file=sys.stderr)
     step = 0

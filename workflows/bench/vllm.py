@@ -77,8 +77,8 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             jobs = [(wl_name, SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}"),
                      sess)
                     for wl_name in args.workloads
-                    for sess in load_workload(wl_name, args.data).sessions(args.limit,
-                                                                          args.turns)]
+                    for sess in load_workload(wl_name, args.data, tool_format=rt.tool_format
+                                              ).sessions(args.limit, args.turns)]
             greedy = SamplingParams()
             run = run_concurrent(rt, jobs, args.concurrency, args.max_tokens,
                                  lambda n, stop: rt._sampling_params(greedy, n, stop))
@@ -101,7 +101,7 @@ def _sequential_turns(rt: Any, args: argparse.Namespace, name: str) -> list[dict
 
     turns: list[dict[str, Any]] = []
     for wl_name in args.workloads:
-        workload = load_workload(wl_name, args.data)
+        workload = load_workload(wl_name, args.data, tool_format=rt.tool_format)
         for sess in workload.sessions(args.limit, args.turns):
             ref = SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}")
             last: str | None = None

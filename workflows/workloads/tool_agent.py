@@ -11,10 +11,16 @@ The environment is scripted: it answers the planned call whatever the model aske
 every method sees the same kind of tool results (a 135M model rarely names the right file).
 The assistant message is stored OpenAI-style: the output's text in ``content`` (its own
 tool-call markup removed) and the planned call in ``tool_calls``, which the prompt renderer
-appends as ``<tool_call>{...}</tool_call>``, so the transcript shows exactly the call that
-was answered. :meth:`ToolSession.turn_metrics` reports whether the output held a
-well-formed tool call and whether it named the planned tool. Tool outputs are fakes
-computed from the call's arguments (file contents come from the DELEGATE-52 fixture).
+writes back in the model's tool format, so the transcript shows exactly the call that was
+answered. :meth:`ToolSession.turn_metrics` reports whether the output held a well-formed
+tool call and whether it named the planned tool. Tool outputs are fakes computed from the
+call's arguments (file contents come from the DELEGATE-52 fixture).
+
+The workload speaks the model's tool format (``tool_format=``, which the benches take from
+the model's tokenizer): the system prompt spells the call syntax only where the chat
+template does not teach it (:attr:`ToolFormat.template_instructs`), and calls are found
+by the format's parser. The default, the fallback format (SmolLM2's), gives the prompt and
+transcripts this workload always had.
 """
 
 from __future__ import annotations
@@ -27,17 +33,37 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from agentspec.chat.formats import FORMATS, ToolFormat, check_format_name
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.errors import BenchmarkError
 from workflows.workloads.base import Message, Request
 from workflows.workloads.datasets import data_dir as resolve_data_dir
 from workflows.workloads.datasets import load_delegate52
-from workflows.workloads.tools import TOOLS, FakeTools, parse_tool_call, strip_tool_calls
-
-SYSTEM_PROMPT = (
-    "You are an agent that completes tasks with tools. To call a tool, reply with exactly one "
-    'line: <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>. Tool results come '
-    "back as JSON in tool messages. When the task is done, answer the user in plain text."
+from workflows.workloads.tools import (
+    TOOLS,
+    FakeTools,
+    native_format,
+    parse_tool_call,
+    strip_tool_calls,
 )
+
+
+def system_prompt(fmt: ToolFormat | None = None) -> str:
+    """The agent's system prompt for a model in tool format ``fmt`` (default: fallback).
+
+    The call-syntax sentence is the format's own example call, and is left out where the
+    chat template already teaches the syntax (Hermes/Qwen2.5, Llama 3.x, Mistral).
+    """
+    fmt = fmt or FallbackFormat()
+    syntax = "" if fmt.template_instructs else (
+        f"To call a tool, reply with exactly one line: {fmt.call_example()}. ")
+    return ("You are an agent that completes tasks with tools. " + syntax
+            + "Tool results come back as JSON in tool messages. When the task is done, "
+            "answer the user in plain text.")
+
+
+#: The prompt of the fallback format (SmolLM2's), the workload's default.
+SYSTEM_PROMPT = system_prompt()
 
 Call = tuple[str, dict[str, Any]]
 _CITIES = ("Lisbon", "Oslo", "Nairobi", "Montreal", "Kyoto", "Santiago", "Reykjavik", "Perth")
@@ -61,6 +87,7 @@ class ToolSession:
         tools: The fake tool implementations.
         turns: Most requests (1 + number of tool results shown).
         max_tokens: Generation budget per request.
+        fmt: The model's tool format (default: the fallback's ``<tool_call>`` syntax).
     """
 
     def __init__(
@@ -71,6 +98,7 @@ class ToolSession:
         tools: FakeTools,
         turns: int,
         max_tokens: int,
+        fmt: ToolFormat | None = None,
     ) -> None:
         self.session_id = session_id
         self.task = task
@@ -78,8 +106,9 @@ class ToolSession:
         self._tools = tools
         self.turns = min(turns, len(plan) + 1)  # requests this session will make
         self._max_tokens = max_tokens
+        self._fmt = native_format(fmt)  # None: the fallback's rules (see tools.py)
         self._messages: list[Message] = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": system_prompt(fmt)},
             {"role": "user", "content": task},
         ]
         self._turn = 0
@@ -94,7 +123,7 @@ class ToolSession:
             self._messages.append(
                 {
                     "role": "assistant",
-                    "content": strip_tool_calls(last_output or ""),
+                    "content": strip_tool_calls(last_output or "", self._fmt),
                     "tool_calls": [
                         {
                             "id": call_id,
@@ -126,7 +155,7 @@ class ToolSession:
             (the planned tool was called, or no tool was due and none was called) and
             ``output_chars``.
         """
-        call = parse_tool_call(output)
+        call = parse_tool_call(output, self._fmt)
         planned = request.meta.get("planned_tool")
         name = call[0] if call else None
         return {
@@ -217,6 +246,12 @@ class ToolAgentWorkload:
         num_sessions: Number of sessions (1-16).
         seed: Seed of the task and argument choices.
         max_tokens: Generation budget per request.
+        tool_format: The model's tool format, bound (``runtime.tool_format``,
+            ``format_for(tokenizer)``) or by name (default: the fallback).
+
+    Raises:
+        BenchmarkError: ``num_sessions`` out of range.
+        ConfigError: an unknown ``tool_format`` name.
     """
 
     name = "tool_agent"
@@ -227,7 +262,11 @@ class ToolAgentWorkload:
         num_sessions: int = 6,
         seed: int = 0,
         max_tokens: int = 192,
+        tool_format: ToolFormat | str | None = None,
     ) -> None:
+        if isinstance(tool_format, str):
+            tool_format = FORMATS[check_format_name(tool_format)]()
+        self.tool_format = tool_format
         if not 1 <= num_sessions <= 16:
             raise BenchmarkError(f"num_sessions must be in [1, 16], got {num_sessions}")
         domains = load_delegate52(resolve_data_dir(data_dir))
@@ -253,4 +292,5 @@ class ToolAgentWorkload:
             tools = FakeTools(self.files)
             task, plan = TASK_KINDS[kind](rng, tools)
             session_id = re.sub(r"[^A-Za-z0-9_.:@-]", "-", f"tool_agent-{i}-{kind}")
-            yield ToolSession(session_id, task, plan, tools, turns, self.max_tokens)
+            yield ToolSession(session_id, task, plan, tools, turns, self.max_tokens,
+                              self.tool_format)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.chat.tool_calls import parse_tool_calls
 
 TOOLS: list[dict[str, Any]] = [
@@ -183,13 +184,29 @@ def parse_tool_call(
     return None
 
 
-def strip_tool_calls(output: str) -> str:
+def native_format(fmt: ToolFormat | None) -> ToolFormat | None:
+    """``fmt``, or ``None`` for the fallback format: the fallback's ``<tool_call>`` markup
+    is read by this module's own rules (which also take a bare JSON call), as it always
+    was, so SmolLM2's bench transcripts and metrics stay the same."""
+    return None if fmt is None or isinstance(fmt, FallbackFormat) else fmt
+
+
+def strip_tool_calls(output: str, fmt: ToolFormat | None = None) -> str:
     """The text of a model output without its tool-call markup.
 
     An OpenAI-style transcript keeps the assistant's text in ``content`` and the call in
     ``tool_calls``; the renderer appends the call back, so leaving it in the text too
     would show it twice.
+
+    Args:
+        output: The model's answer.
+        fmt: The model's tool format: its parser finds the calls (Hermes blocks or a bare
+            call, Llama 3.x JSON, Mistral ``[TOOL_CALLS]``). ``None`` or the fallback:
+            ``<tool_call>{...}`` blocks, and a whole answer that is a bare JSON call.
     """
+    native = native_format(fmt)
+    if native is not None:
+        return native.parse(output, TOOL_NAMES).content.strip()
     text = _TOOL_CALL_RE.sub("", output).strip()
     return "" if text.startswith("{") and parse_tool_call(text) else text
 

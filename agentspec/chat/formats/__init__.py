@@ -33,7 +33,7 @@ from agentspec.errors import ConfigError
 
 __all__ = [
     "FORMATS", "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat",
-    "choose_tool_format", "format_for", "tool_names",
+    "check_format_name", "choose_tool_format", "format_for", "tool_names",
 ]
 
 FORMATS: dict[str, type[ToolFormat]] = {
@@ -73,6 +73,18 @@ def _ignores_tools(tokenizer: Any) -> bool:
         return False
 
 
+def check_format_name(tool_format: str) -> str:
+    """``tool_format`` itself if it names a format of :data:`FORMATS`.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid ones).
+    """
+    if tool_format not in FORMATS:
+        raise ConfigError(f"tool_format {tool_format!r} is unknown; use one of "
+                          f"{sorted(FORMATS)}")
+    return tool_format
+
+
 def choose_tool_format(tokenizer: Any, tool_format: str | None = None) -> ToolFormat:
     """The tool format of ``tokenizer``'s model, bound to it (see the module docstring).
 
@@ -81,10 +93,7 @@ def choose_tool_format(tokenizer: Any, tool_format: str | None = None) -> ToolFo
             syntax none of the formats knows (the message asks for ``tool_format``).
     """
     if tool_format is not None:
-        if tool_format not in FORMATS:
-            raise ConfigError(f"tool_format {tool_format!r} is unknown; use one of "
-                              f"{sorted(FORMATS)}")
-        return FORMATS[tool_format]().bind(tokenizer)
+        return FORMATS[check_format_name(tool_format)]().bind(tokenizer)
     response = getattr(tokenizer, "response_template", None)
     if response:
         found = _by_syntax(json.dumps(response, ensure_ascii=False))

@@ -183,6 +183,13 @@ class ToolFormat:
     name: ClassVar[str] = ""
     tags: ClassVar[tuple[str, ...]] = ()
     stop: ClassVar[tuple[str, ...]] = ()
+    #: Whether the prompt the chat template renders with ``tools=`` already teaches the
+    #: call syntax (Qwen2.5's "For each function call, return ... within <tool_call>",
+    #: Llama 3.x's "Respond in the format ..."; Mistral models are trained on their
+    #: ``[AVAILABLE_TOOLS]`` block, and their tags are control tokens that do not belong in
+    #: prompt text). An agent's own system prompt then leaves the syntax to the template;
+    #: otherwise it can spell it with :meth:`call_example`.
+    template_instructs: ClassVar[bool] = True
 
     def __init__(self, tag_ids: Mapping[str, int] | None = None) -> None:
         self.tag_ids: dict[str, int] = dict(tag_ids or {})
@@ -296,6 +303,12 @@ class ToolFormat:
     def raw_call_text(self, raw: str) -> str:
         """An invalid call's raw text as it stood in the answer (shown as content)."""
         return raw
+
+    def call_example(self, name: str = "<tool>", arguments: str = "{...}") -> str:
+        """One call written as the model writes it, for a prompt that teaches the syntax
+        (``name`` and ``arguments`` go in verbatim, so they may be placeholders)."""
+        return self.raw_call_text(f'{{"name": {json.dumps(name, ensure_ascii=False)}, '
+                                  f'"arguments": {arguments}}}')
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class FallbackFormat(ToolFormat):
     name = "fallback"
     tags = (OPEN, CLOSE)
     stop = (CLOSE,)
+    template_instructs = False  # the template ignores tools; only agentspec's preamble does
 
     def plain_turns(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None) -> list[dict[str, str]]:

@@ -10,6 +10,7 @@ Some Llama 3.x answers prefix the call with ``<|python_tag|>``; it is accepted a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -71,6 +72,9 @@ class Llama3JsonFormat(ToolFormat):
             return f"start: call\n{call}"
         # The answer is a call if it opens with "{" (the trigger), else prose.
         return "\n".join(["start: PROSE | call", r"PROSE: /(?s:.*)/ & ~/\s*\{(?s:.*)/", call])
+
+    def call_example(self, name: str = "<tool>", arguments: str = "{...}") -> str:
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": {arguments}}}'
 
     def hold_from(self, text: str) -> int:
         stripped = text.lstrip()

@@ -104,6 +104,10 @@ class MistralFormat(ToolFormat):
     def raw_call_text(self, raw: str) -> str:
         return f"{TOOL_CALLS} {raw}"
 
+    def call_example(self, name: str = "<tool>", arguments: str = "{...}") -> str:
+        return (f'{TOOL_CALLS} [{{"name": {json.dumps(name, ensure_ascii=False)}, '
+                f'"arguments": {arguments}}}]')
+
 
 class MistralV11Format(MistralFormat):
     """v11: ``[TOOL_CALLS]name[ARGS]{...}`` per call; see the module docstring."""
@@ -151,6 +155,9 @@ class MistralV11Format(MistralFormat):
         if tool_choice not in (None, "auto"):
             return "\n".join([f"start: {body}", *rules])
         return "\n".join(["start: PROSE | PROSE call+", self._prose(), *rules])
+
+    def call_example(self, name: str = "<tool>", arguments: str = "{...}") -> str:
+        return f"{TOOL_CALLS}{name}{ARGS}{arguments}"
 
 
 __all__ = ["ARGS", "TOOL_CALLS", "MistralFormat", "MistralV11Format"]
