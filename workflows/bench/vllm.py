@@ -13,6 +13,12 @@ exactly the same tokens (``identical``). tokens/s is generated tokens over the r
 wall-clock seconds (prefill included, engine start-up and warm-up excluded); ``acc.len``
 (tokens per engine step) does not depend on machine load, tokens/s does: each run records
 the 1-minute load average after it.
+
+``--workloads traces`` drives the logged SWE-agent runs instead (as ``agentspec drive``;
+:mod:`workflows.bench.vllm_driven`): each run a session of logged prompts, the model
+answering each turn, ``--concurrency`` sessions in flight. Concurrent runs also report
+vLLM's automatic prefix cache (``prefix hit``: share of looked-up prompt tokens whose KV
+was reused; it stays on for every configuration) and its spec-decode counters.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any
 
 from agentspec.errors import BenchmarkError
 from agentspec.types import SamplingParams, SessionRef
+from workflows.bench.vllm_driven import WORKLOAD as DRIVEN
+from workflows.replay.logs import PACKAGED_TRACES
 from workflows.report.markdown import markdown_table
 
 # name -> (AgentSpec drafting.method, proposer, payoff gate)
@@ -71,21 +79,45 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         rt.chat([{"role": "user", "content": "Say hi."}], max_tokens=4)  # warm-up
         turns: list[dict[str, Any]] = []
-        if args.concurrency > 1:
+        # Logged agent runs (``traces``) always go through the scheduler: their requests
+        # carry token ids, not messages (at concurrency 1 it sends one request at a time).
+        if args.concurrency > 1 or DRIVEN in args.workloads:
             from workflows.bench.vllm_concurrency import run_concurrent
+            from workflows.bench.vllm_driven import (
+                draftable_content,
+                driven_jobs,
+                driven_sessions,
+                session_names,
+            )
 
-            jobs = [(wl_name, SessionRef(_session_id(sess.session_id), tenant=f"bench-{name}"),
-                     sess)
-                    for wl_name in args.workloads
-                    for sess in load_workload(wl_name, args.data, tool_format=rt.tool_format
-                                              ).sessions(args.limit, args.turns)]
+            tenant = f"bench-{name}"
+            jobs: list[tuple[str, SessionRef, Any]] = []
+            chains: list[Any] = []
+            for wl_name in args.workloads:
+                if wl_name == DRIVEN:
+                    chains = driven_sessions(rt.tokenizer, args.traces, args.max_prompt,
+                                             args.max_tokens, args.trace_turns)
+                    jobs.extend(driven_jobs(chains, tenant))
+                    continue
+                jobs.extend(
+                    (wl_name, SessionRef(_session_id(sess.session_id), tenant=tenant), sess)
+                    for sess in load_workload(wl_name, args.data, tool_format=rt.tool_format)
+                    .sessions(args.limit, args.turns))
             greedy = SamplingParams()
+            before = rt.counters()
             run = run_concurrent(rt, jobs, args.concurrency, args.max_tokens,
                                  lambda n, stop: rt._sampling_params(greedy, n, stop))
             turns = run.turns
-            extra = run.summary()
+            extra = {**run.summary(), "vllm_counters": _counters(rt.counters() - before)}
+            if chains:
+                extra["driven_sessions"] = session_names(chains)
+                extra["draftable"] = draftable_content(
+                    chains, [t for t in turns if t["workload"] == DRIVEN])
         else:
             turns = _sequential_turns(rt, args, name)
+        # vLLM may switch prefix caching off for some models/platforms: record what ran.
+        extra["enable_prefix_caching"] = bool(
+            rt.engine.vllm_config.cache_config.enable_prefix_caching)
     finally:
         rt.shutdown()
     if stats_file.is_file():  # only agentspec's proposer writes it
@@ -93,6 +125,15 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"config": name, "method": method, "proposer": proposer, "payoff": payoff,
             "start_s": round(start_s, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
             "concurrency": args.concurrency, "turns": turns, **extra}
+
+
+def _counters(delta: Any) -> dict[str, Any]:
+    """vLLM's counters over a run (a :class:`adapters.vllm.stats.SpecCounters` difference):
+    spec-decode drafts and the automatic prefix cache's looked-up / hit prompt tokens."""
+    return {"drafts": delta.drafts, "draft_tokens": delta.draft_tokens,
+            "accepted": delta.accepted, "prefix_queries": delta.prefix_queries,
+            "prefix_hits": delta.prefix_hits,
+            "prefix_hit_rate": round(delta.prefix_hit_rate, 4)}
 
 
 def _sequential_turns(rt: Any, args: argparse.Namespace, name: str) -> list[dict[str, Any]]:
@@ -163,6 +204,11 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tokens_per_engine_step": (round(tokens / run["engine_steps"], 2)
                                        if run.get("engine_steps") else None),
             "proposer_ms_per_step": (run.get("proposer_stats") or {}).get("propose_ms_per_step"),
+            # vLLM's automatic prefix caching over the run (concurrent runs): share of
+            # looked-up prompt tokens whose KV was reused.
+            "prefix_hit_rate": (run.get("vllm_counters") or {}).get("prefix_hit_rate"),
+            "draft_tokens": (run.get("vllm_counters") or {}).get("draft_tokens"),
+            "accepted": (run.get("vllm_counters") or {}).get("accepted"),
         })
     base = next((r["tokens_per_s"] for r in rows if r["config"] == REFERENCE), 0.0)
     for row in rows:
@@ -173,7 +219,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     headers = ["config", "req", "tokens", "tok/s", "speed-up", "acc.len", "tok/step",
-               "start s", "load", "identical"]
+               "prefix hit", "start s", "load", "identical"]
     cells = []
     for r in rows:
         per_step = r.get("tokens_per_engine_step")
@@ -181,6 +227,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             str(r["config"]), str(r["requests"]), str(r["tokens"]), f"{r['tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-",
             f"{r['mean_accepted_len']:.2f}", str(per_step) if per_step is not None else "-",
+            f"{r['prefix_hit_rate']:.1%}" if r.get("prefix_hit_rate") is not None else "-",
             f"{r['start_s']:.1f}",
             f"{r['load_avg']:.1f}" if r.get("load_avg") is not None else "-",
             str(r["identical"]),
@@ -194,9 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated, from {', '.join(CONFIGS)}")
-    p.add_argument("--workloads", default="delegate52,smoke")
+    p.add_argument("--workloads", default="delegate52,smoke",
+                   help=f"comma-separated workload names; {DRIVEN!r}: logged agent runs "
+                        "(--traces) driven as live sessions, one request per session in "
+                        "flight, prompts the logged ones")
     p.add_argument("--limit", type=int, default=1, help="sessions per workload")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
+    p.add_argument("--traces", nargs="*", default=[str(PACKAGED_TRACES)],
+                   help=f"{DRIVEN!r}: SWE-agent .traj / JSONL files or folders (default: "
+                        "the packaged SWE-agent trajectories)")
+    p.add_argument("--max-prompt", type=int, default=2560,
+                   help=f"{DRIVEN!r}: cut a session at its first turn whose prompt + answer "
+                        "exceeds this (as `agentspec drive`)")
+    p.add_argument("--trace-turns", type=int, default=30,
+                   help=f"{DRIVEN!r}: most turns in all, file order (0: all)")
     p.add_argument("--max-tokens", type=int, default=160, help="cap on each turn's budget")
     p.add_argument("--max-draft", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=1,

@@ -9,9 +9,11 @@ timed; the proposer's own time per step comes from the proposer (it runs in vLLM
 process and writes its counters to ``AGENTSPEC_VLLM_STATS``, see
 :mod:`adapters.vllm.proposer`).
 
-The engine is driven through four calls only (``prompt_ids`` and ``sampling`` of the
-runtime, ``add_request`` and ``step`` of its engine), so the scheduler is tested with a
-fake engine.
+A request that carries its prompt as token ids (``prompt_ids``, e.g. a logged agent turn,
+:mod:`workflows.bench.vllm_driven`) is sent as it is; others are rendered with the
+runtime's chat template. The engine is driven through four calls only (``prompt_ids`` and
+``sampling`` of the runtime, ``add_request`` and ``step`` of its engine), so the scheduler
+is tested with a fake engine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _Flight:
     prefix: str
     prompt_tokens: int
     start: float
+    launched_after: int
 
 
 @dataclass
@@ -82,7 +85,8 @@ def run_concurrent(
         rt: The vLLM runtime (``prompt_ids(messages, tools, tool_choice, prefix)`` and
             ``engine`` with ``add_request(id, inputs, params)`` / ``step()``).
         sessions: ``(workload name, session ref, workload session)``; a workload session's
-            ``next_request(last_text)`` returns the next request or ``None``.
+            ``next_request(last_text)`` returns the next request or ``None``. A request
+            with a ``prompt_ids`` attribute (not ``None``) is sent with those token ids.
         concurrency: Sessions in flight at once (>= 1).
         max_tokens: Cap on every request's token budget.
         sampling: ``(max_tokens, stop strings) -> engine sampling params``.
@@ -101,13 +105,15 @@ def run_concurrent(
         if req is None:
             return False
         prefix = getattr(req, "prefix", "")
-        prompt, prefix = rt.prompt_ids(req.messages, req.tools, None, prefix)
+        prompt = getattr(req, "prompt_ids", None)
+        if prompt is None:
+            prompt, prefix = rt.prompt_ids(req.messages, req.tools, None, prefix)
         stop = [*req.stop, *rt.tool_format.stop] if req.tools else list(req.stop)
         rid = encode_request_id(ref)
         rt.engine.add_request(rid, {"prompt_token_ids": prompt},
                               sampling(min(req.max_tokens, max_tokens), stop))
         flying[rid] = (workload, _Flight(ref, sess, turn + 1, prefix, len(prompt),
-                                         time.perf_counter()))
+                                         time.perf_counter(), len(run.turns)))
         return True
 
     while waiting or flying:
@@ -129,6 +135,7 @@ def run_concurrent(
                 "workload": workload, "session_id": f.ref.session_id, "turn": f.turn,
                 "prompt_tokens": f.prompt_tokens, "tokens": [int(t) for t in final.token_ids],
                 "seconds": time.perf_counter() - f.start,
+                "launched_after": f.launched_after,  # turns finished when it was sent
             })
             launch(workload, f.ref, f.session, f.prefix + str(final.text), f.turn)
     return run
