@@ -88,9 +88,10 @@ class SuffixDrafter:
             of the request lifecycle.
 
     Attributes:
-        last_origin: Which index produced the latest draft: ``"request"``, ``"session"``,
-            ``"agent"``, ``"tenant"``, ``"outputs"``, ``"tree"`` (several merged into one
-            tree draft) or ``"none"``.
+        last_origin: Which index produced the latest draft of any request (a diagnostic:
+            nothing reads it back): ``"request"``, ``"session"``, ``"agent"``,
+            ``"tenant"``, ``"outputs"``, ``"tree"`` (several merged into one tree draft)
+            or ``"none"``.
     """
 
     name = "suffix"
