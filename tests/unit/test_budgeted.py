@@ -24,7 +24,7 @@ from agentspec.verifiers import (
     build_verifier,
 )
 from agentspec.verifiers.budgeted import asd_accept
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, run_interleaved
 from tests.unit.test_engine_lossless import DRAFTS, ScriptedDrafter, _random, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,18 +175,9 @@ def test_interleaved_requests_keep_separate_budgets(tiny_model, tmp_path) -> Non
     assert all(exc > 0 and regret > 2.0 for _, exc, regret in alone)
     ledger = RegretLedger(tmp_path / "both.sqlite")
     shared = BudgetedVerifier(cfg, ledger)
-    gens = [engine(shared, ref).steps(p, max_tokens=40, session=s)
-            for p, ref, s in zip(prompts, refs, refs_session, strict=True)]
-    done: dict[int, tuple[list[int], int, float]] = {}
-    while len(done) < len(gens):  # one step of each live request in turn
-        for i, gen in enumerate(gens):
-            if i in done:
-                continue
-            try:
-                next(gen)
-            except StopIteration as stop:
-                done[i] = outcome(stop.value)
-    assert [done[i] for i in range(len(gens))] == alone
+    both = run_interleaved([engine(shared, ref).steps(p, max_tokens=40, session=s)
+                            for p, ref, s in zip(prompts, refs, refs_session, strict=True)])
+    assert [outcome(g) for g in both] == alone
     for s in refs_session:
         assert ledger.get(s) == alone_ledger.get(s)
     assert not shared._accounts  # released by the engine

@@ -22,6 +22,7 @@ from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.training.eagle import TrainEagleConfig, extract_features, train_head
 from agentspec.types import DraftContext
+from tests.conftest import run_interleaved
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -165,18 +166,9 @@ def test_interleaved_requests_draft_as_each_alone(tiny_model: Any) -> None:
         got = engine(EagleDrafter(_head(tiny_model))).generate(prompt, max_tokens=30)
         alone.append((got.tokens, [(s.draft_len, s.accepted) for s in got.stats.steps]))
     shared = EagleDrafter(_head(tiny_model))
-    gens = [engine(shared).steps(p, max_tokens=30) for p in prompts]
-    done: dict[int, Any] = {}
-    while len(done) < len(gens):  # one step of each live request in turn
-        for i, gen in enumerate(gens):
-            if i in done:
-                continue
-            try:
-                next(gen)
-            except StopIteration as stop:
-                done[i] = stop.value
-    both = [(done[i].tokens, [(s.draft_len, s.accepted) for s in done[i].stats.steps])
-            for i in range(len(gens))]
+    both = [(g.tokens, [(s.draft_len, s.accepted) for s in g.stats.steps])
+            for g in run_interleaved([engine(shared).steps(p, max_tokens=30)
+                                      for p in prompts])]
     assert both == alone
     assert any(k > 0 for _, steps in alone for k, _ in steps)  # it did draft
     assert shared.live_requests == 0
