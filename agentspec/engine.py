@@ -28,6 +28,7 @@ from agentspec.interfaces import (
     PositionLimited,
     PrefixReuseTarget,
     RequestAware,
+    RequestEnding,
     Target,
     TreeTarget,
     Verifier,
@@ -304,60 +305,68 @@ class SpeculativeDecoder:
         for part in self._request_parts():
             if isinstance(part, RequestAware):
                 part.begin_request(session, rng, request_id=rid)
-        learner = self._learner()
-        stats = RequestStats(prompt_tokens=len(prompt))
-        checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
-        t_start = time.perf_counter()
+        try:
+            learner = self._learner()
+            stats = RequestStats(prompt_tokens=len(prompt))
+            checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
+            t_start = time.perf_counter()
 
-        # Prefill everything but the last prompt token: it is the first `pending` token,
-        # so the very first step can already verify a draft. The tenant scopes prefix KV
-        # reuse (never across tenants); a drafter reading the target's hidden states needs
-        # every prompt position fed, so it turns reuse off.
-        link = self._feature_link()
-        scope = session.tenant if session is not None and link is None else None
-        self.target.prefill(list(prompt[:-1]), scope=scope)
-        if isinstance(self.target, PrefixReuseTarget):
-            stats.cached_prompt_tokens = self.target.reused_tokens
-        if link is not None:
-            link[0](0, link[1]())
-        stats.prefill_s = time.perf_counter() - t_start
-        context = list(prompt)
-        generated: list[int] = []
-        finish: str | None = None
-        while finish is None:
-            ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid,
-                               sampling)
-            room = max_tokens - len(generated) - 1  # the verifier always adds one token
-            t0 = time.perf_counter()
-            step = self._step(ctx, min(self.config.max_draft, room), sampling, rng, constraint,
-                              penalties)
-            result = step.result
-            if link is not None:  # pending + accepted rows: the positions now committed
-                rows = link[1]()  # [k+1, H]
-                link[0](len(context) - 1, rows[: result.num_accepted + 1])
-            t2 = time.perf_counter()
+            # Prefill everything but the last prompt token: it is the first `pending` token,
+            # so the very first step can already verify a draft. The tenant scopes prefix KV
+            # reuse (never across tenants); a drafter reading the target's hidden states needs
+            # every prompt position fed, so it turns reuse off.
+            link = self._feature_link()
+            scope = session.tenant if session is not None and link is None else None
+            self.target.prefill(list(prompt[:-1]), scope=scope)
+            if isinstance(self.target, PrefixReuseTarget):
+                stats.cached_prompt_tokens = self.target.reused_tokens
+            if link is not None:
+                link[0](DraftContext(prompt, len(prompt), session, 0, rid, sampling), 0,
+                        link[1]())
+            stats.prefill_s = time.perf_counter() - t_start
+            context = list(prompt)
+            generated: list[int] = []
+            finish: str | None = None
+            while finish is None:
+                ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid,
+                                   sampling)
+                room = max_tokens - len(generated) - 1  # the verifier always adds one token
+                t0 = time.perf_counter()
+                step = self._step(ctx, min(self.config.max_draft, room), sampling, rng, constraint,
+                                  penalties)
+                result = step.result
+                if link is not None:  # pending + accepted rows: the positions now committed
+                    rows = link[1]()  # [k+1, H]
+                    link[0](ctx, len(context) - 1, rows[: result.num_accepted + 1])
+                t2 = time.perf_counter()
+                if learner is not None:
+                    learner.observe(ctx, result)
+                block, finish = checker.cut(generated, result.tokens)
+                generated.extend(block)
+                context.extend(block)
+                if penalties is not None:
+                    penalties.commit(block)
+                stats.forwards += 1
+                stats.draft_s += step.draft_s
+                stats.verify_s += t2 - t0 - step.draft_s
+                stats.exceptions += result.exceptions
+                stats.regret += result.regret
+                stats.steps.append(
+                    StepStats(step.source, step.draft_len, result.num_accepted, len(block),
+                              step.draft_s, t2 - t0 - step.draft_s)
+                )
+                yield list(generated)
             if learner is not None:
-                learner.observe(ctx, result)
-            block, finish = checker.cut(generated, result.tokens)
-            generated.extend(block)
-            context.extend(block)
-            if penalties is not None:
-                penalties.commit(block)
-            stats.forwards += 1
-            stats.draft_s += step.draft_s
-            stats.verify_s += t2 - t0 - step.draft_s
-            stats.exceptions += result.exceptions
-            stats.regret += result.regret
-            stats.steps.append(
-                StepStats(step.source, step.draft_len, result.num_accepted, len(block),
-                          step.draft_s, t2 - t0 - step.draft_s)
-            )
-            yield list(generated)
-        if learner is not None:
-            learner.finish(DraftContext(context, len(prompt), session, len(stats.steps), rid))
-        stats.generated_tokens = len(generated)
-        stats.total_s = time.perf_counter() - t_start
-        return Generation(generated, checker.final_text(generated), finish, stats)
+                learner.finish(DraftContext(context, len(prompt), session, len(stats.steps), rid))
+            stats.generated_tokens = len(generated)
+            stats.total_s = time.perf_counter() - t_start
+            return Generation(generated, checker.final_text(generated), finish, stats)
+        finally:
+            # Request state kept between steps (the ASD account) is released however the
+            # request stops: finished, failed, or abandoned by its consumer.
+            for part in self._request_parts():
+                if isinstance(part, RequestEnding):
+                    part.end_request(rid)
 
     # -- the per-request and per-step hooks (MultiDraftDecoder overrides them) -------------
 
@@ -402,7 +411,8 @@ class SpeculativeDecoder:
                 penalties.apply(logits, chain_prefixes(draft.tokens))
             if grammar is not None:
                 grammar.mask(logits)
-            result = self.verifier.verify(draft, logits, sampling, rng)
+            result = self.verifier.verify(draft, logits, sampling, rng,
+                                          request_id=ctx.request_id)
             # Keep pending + accepted tokens in the cache, drop the rejected rest.
             self.target.rollback(len(draft.tokens) - result.num_accepted)
         if grammar is not None:
@@ -429,7 +439,8 @@ class SpeculativeDecoder:
 
     def _feature_link(
         self,
-    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], torch.Tensor]] | None:
+    ) -> tuple[Callable[[DraftContext, int, torch.Tensor], None],
+               Callable[[], torch.Tensor]] | None:
         """``(drafter.observe_features, target.last_features)`` when the drafter wants the
         target's hidden states and the target can give them (checked once per request)."""
         drafter, target = self.drafter, self.target

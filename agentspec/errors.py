@@ -60,6 +60,12 @@ class TrainingDataError(AgentSpecError, ValueError):
     model's tokenizer; the message names the file or value."""
 
 
+class RequestStateError(AgentSpecError):
+    """A request's state was used outside its lifecycle: a step, features or a finish for
+    a request that was never begun (or has already finished), or a request id begun twice
+    while live. The message names the part and the request."""
+
+
 class GrammarError(ConfigError):
     """A grammar (JSON schema, response_format, tool schema) that cannot constrain
     decoding, or a constrained decode that left the grammar."""

@@ -12,7 +12,12 @@ Terms:
   :class:`MultiDrafter` (K i.i.d. drafts), :class:`FeatureDrafter` (drafts from the target's
   hidden states) and :class:`RequestAware` (request-scoped state).
 * **verifier**: turns a draft and the target's logits into committed tokens
-  (:class:`Verifier`).
+  (:class:`Verifier`); optional: :class:`RequestAware` and :class:`RequestEnding` (state
+  kept per request between steps: the ASD regret budget).
+
+Request state is keyed by request id everywhere (the id the engine or vLLM gives a request:
+:attr:`~agentspec.types.DraftContext.state_key` for drafters, ``request_id`` for
+verifiers): no part holds "the current request", so requests may interleave.
 * **store**: where finished turns persist (:class:`TurnStore`); the runtime writes it,
   the session cache reads it.
 
@@ -199,8 +204,12 @@ class Verifier(Protocol):
         logits: torch.Tensor,  # [k+1, V]: row i predicts the token after draft prefix i
         sampling: SamplingParams,
         rng: torch.Generator | None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
-        """Accept a prefix (or tree path) of the draft plus one target-chosen token."""
+        """Accept a prefix (or tree path) of the draft plus one target-chosen token.
+        ``request_id`` names the request the step belongs to (the id its
+        :meth:`RequestAware.begin_request` received); stateless verifiers ignore it."""
         ...
 
 
@@ -248,9 +257,10 @@ class FeatureDrafter(Protocol):
         """Whether the engine should fetch and pass features (False skips the copy)."""
         ...
 
-    def observe_features(self, start: int, features: torch.Tensor) -> None:
-        """Feature rows ``[m, H]`` of the committed positions ``start .. start+m-1``.
-        ``start == 0`` begins a new request."""
+    def observe_features(self, ctx: DraftContext, start: int, features: torch.Tensor) -> None:
+        """Feature rows ``[m, H]`` of ``ctx``'s request's committed positions
+        ``start .. start+m-1`` (its stream is keyed by ``ctx.state_key``).
+        ``start == 0`` begins the request's stream (the prefill's rows)."""
         ...
 
 
@@ -267,6 +277,17 @@ class RequestAware(Protocol):
         for greedy requests). ``request_id`` is the id its contexts will carry
         (:attr:`~agentspec.types.DraftContext.state_key`: keep the request's state under
         it)."""
+        ...
+
+
+@runtime_checkable
+class RequestEnding(Protocol):
+    """A verifier whose request state lives between steps (optional; drafters release
+    theirs in :meth:`Drafter.finish`). The engine calls :meth:`end_request` once the
+    request stops, whether it finished, failed or was abandoned."""
+
+    def end_request(self, request_id: str | None) -> None:
+        """Release the state of the request begun with ``request_id``."""
         ...
 
 

@@ -89,7 +89,8 @@ class MultiDraftDecoder(SpeculativeDecoder):
 
     def _feature_link(
         self,
-    ) -> tuple[Callable[[int, torch.Tensor], None], Callable[[], torch.Tensor]] | None:
+    ) -> tuple[Callable[[DraftContext, int, torch.Tensor], None],
+               Callable[[], torch.Tensor]] | None:
         # The drafter here is the multi-drafter (the base class's `drafter` is None).
         drafter, target = self.multi_drafter, self.target
         if (isinstance(drafter, FeatureDrafter) and drafter.wants_features

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,21 @@ os.environ.setdefault(
 )
 
 TINY_VOCAB = 96
+
+
+def run_interleaved(gens: Sequence[Generator[Any, None, Any]]) -> list[Any]:
+    """Drive decode generators (``SpeculativeDecoder.steps``) one step of each live one in
+    turn, as concurrent requests interleave; their return values, in order."""
+    done: dict[int, Any] = {}
+    while len(done) < len(gens):
+        for i, gen in enumerate(gens):
+            if i in done:
+                continue
+            try:
+                next(gen)
+            except StopIteration as stop:
+                done[i] = stop.value
+    return [done[i] for i in range(len(gens))]
 
 
 class CharDecoder:

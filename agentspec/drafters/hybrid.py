@@ -99,7 +99,8 @@ class HybridDrafter:
         policy: The policy of requests without a session (and of every request without a
             ``policy_factory``).
         wins: Steps won per source (``"cache"``, ``"model"``, ``"none"``) since creation.
-        last_choice: The policy's latest :class:`~agentspec.payoff.policy.Choice`.
+        last_choice: The policy's latest :class:`~agentspec.payoff.policy.Choice`, of any
+            request (a diagnostic: nothing reads it back).
     """
 
     def __init__(
@@ -225,11 +226,11 @@ class HybridDrafter:
         """Whether the model drafter drafts from the target's hidden states (EAGLE)."""
         return isinstance(self.model, FeatureDrafter) and self.model.wants_features
 
-    def observe_features(self, start: int, features: Any) -> None:
+    def observe_features(self, ctx: DraftContext, start: int, features: Any) -> None:
         """Forward the target's features to the model drafter every step, whichever source
         won, so its head's cache stays in step with the committed tokens."""
         if isinstance(self.model, FeatureDrafter):
-            self.model.observe_features(start, features)
+            self.model.observe_features(ctx, start, features)
 
     def policy_for(self, session: SessionRef | None) -> SourcePolicy:
         """The policy serving ``session``'s tenant (made on the tenant's first request)."""

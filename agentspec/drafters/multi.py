@@ -83,7 +83,7 @@ class IIDDrafts:
         """Whether the drafter drafts from the target's hidden states."""
         return isinstance(self.drafter, FeatureDrafter) and self.drafter.wants_features
 
-    def observe_features(self, start: int, features: Any) -> None:
+    def observe_features(self, ctx: DraftContext, start: int, features: Any) -> None:
         """Forward the target's features of committed positions to the drafter."""
         if isinstance(self.drafter, FeatureDrafter):
-            self.drafter.observe_features(start, features)
+            self.drafter.observe_features(ctx, start, features)

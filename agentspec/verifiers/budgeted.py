@@ -20,9 +20,10 @@ prefix including the exception, and its match test is exact greedy under that pr
 verifier's own token is the target's argmax after the accepted prefix.
 
 ``B = 0`` disables exceptions, which makes the rule exactly :class:`GreedyVerifier`'s:
-token-identical to strict greedy decoding (tested). Regret is charged to a per-request
-running total and, with a :class:`~agentspec.storage.ledger.RegretLedger`, to the session's
-persisted account; with ``scope="session"`` the budget caps the session's lifetime spend.
+token-identical to strict greedy decoding (tested). Regret is charged to the request's
+account (:class:`BudgetAccount`, keyed by request id) and, with a
+:class:`~agentspec.storage.ledger.RegretLedger`, to the session's persisted account; with
+``scope="session"`` the budget caps the session's lifetime spend.
 Sampled requests (temperature > 0) are verified losslessly by the fallback sampler: ASD
 is a relaxation of greedy decoding only. The default fallback is
 :class:`~agentspec.verifiers.keyed.KeyedVerifier`, so a *seeded* sampled request sent to a
@@ -34,12 +35,13 @@ reproducible only for the same drafts (B = 0 is strict greedy, drafter-independe
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from agentspec.errors import ConfigError
+from agentspec.errors import ConfigError, RequestStateError
 from agentspec.interfaces import Verifier
 from agentspec.storage.ledger import RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
@@ -47,9 +49,10 @@ from agentspec.verifiers.block import BlockVerifier
 from agentspec.verifiers.keyed import KeyedVerifier
 from agentspec.verifiers.rejection import check_rows
 
-__all__ = ["AsdOutcome", "BudgetConfig", "BudgetedVerifier", "asd_accept"]
+__all__ = ["AsdOutcome", "BudgetAccount", "BudgetConfig", "BudgetedVerifier", "asd_accept"]
 
 BudgetScope = Literal["request", "session"]
+_MAX_REQUESTS = 256  # live accounts kept (requests that never end age out)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,31 @@ def asd_accept(
     return AsdOutcome(n, int(count[n - 1]), float(spent[n - 1]))
 
 
+@dataclass
+class BudgetAccount:
+    """One request's regret account (what :class:`BudgetedVerifier` keeps per request).
+
+    Attributes:
+        session: The session the request belongs to (its ledger account), if any.
+        budget: The budget B this request decodes under.
+        spent: Regret charged against B so far: this request's, plus the session's
+            earlier spend with ``scope="session"``.
+        regret: Regret of the exceptions this request accepted.
+        exceptions: Exceptions this request accepted.
+    """
+
+    session: SessionRef | None
+    budget: float
+    spent: float = 0.0
+    regret: float = 0.0
+    exceptions: int = 0
+
+    @property
+    def remaining(self) -> float:
+        """Budget left before exceptions stop."""
+        return max(self.budget - self.spent, 0.0)
+
+
 class BudgetedVerifier:
     """Approximate greedy verification within a regret budget (opt-in, not lossless).
 
@@ -136,8 +164,12 @@ class BudgetedVerifier:
         sampler: Lossless verifier for sampled requests (default: position-keyed for seeded
             requests, GBV for unseeded ones).
 
-    Call :meth:`begin_request` at the start of every request (the engine does): it resets
-    the request's running total and names the ledger account.
+    Each request has its own :class:`BudgetAccount`, keyed by its request id: begun by
+    :meth:`begin_request` (the engine calls it before the prefill), read by every greedy
+    :meth:`verify` of that id, released by :meth:`end_request`. Requests may interleave.
+    A greedy step for a request that was never begun (or has ended) raises
+    :class:`~agentspec.errors.RequestStateError`. ``request_id=None`` is one anonymous
+    request at a time (direct use without the engine): beginning it again replaces it.
     """
 
     lossless = False
@@ -152,29 +184,55 @@ class BudgetedVerifier:
         self.config = config or BudgetConfig()
         self.ledger = ledger
         self.sampler: Verifier = sampler or KeyedVerifier(BlockVerifier())
-        self.session: SessionRef | None = None
-        self.spent = 0.0  # regret charged against B so far (request or session)
-        self.request_regret = 0.0
-        self.request_exceptions = 0
-
-    @property
-    def remaining(self) -> float:
-        """Budget left before exceptions stop."""
-        return max(self.config.budget - self.spent, 0.0)
+        self._accounts: OrderedDict[str | None, BudgetAccount] = OrderedDict()
 
     def begin_request(
         self, session: SessionRef | None, rng: torch.Generator | None = None,
         request_id: str | None = None,
     ) -> None:
-        """Begin a request of ``session``: reset the running totals, open the account."""
-        self.session = session
-        self.request_regret = 0.0
-        self.request_exceptions = 0
-        self.spent = 0.0
+        """Open the account of request ``request_id`` of ``session`` (counted in the
+        ledger; with ``scope="session"`` it starts from the session's spend so far).
+
+        Raises:
+            RequestStateError: ``request_id`` names a request that has not ended.
+        """
+        if request_id is not None and request_id in self._accounts:
+            raise RequestStateError(
+                f"BudgetedVerifier: request {request_id!r} was begun twice; end it first")
+        account = BudgetAccount(session, self.config.budget)
         if self.ledger is not None and session is not None:
             entry = self.ledger.count_request(session)
             if self.config.scope == "session":
-                self.spent = entry.regret
+                account.spent = entry.regret
+        self._accounts[request_id] = account
+        self._accounts.move_to_end(request_id)
+        while len(self._accounts) > _MAX_REQUESTS:  # requests that never ended age out
+            self._accounts.popitem(last=False)
+
+    def end_request(self, request_id: str | None) -> None:
+        """Release the account of ``request_id`` (the engine calls this when the request
+        stops; the ledger already holds its charges).
+
+        Raises:
+            RequestStateError: no live request has that id.
+        """
+        if self._accounts.pop(request_id, None) is None:
+            raise RequestStateError(
+                f"BudgetedVerifier: cannot end request {request_id!r}: it was never begun "
+                "or has already ended")
+
+    def account(self, request_id: str | None = None) -> BudgetAccount:
+        """The live account of ``request_id`` (its spend, regret and exceptions so far).
+
+        Raises:
+            RequestStateError: no live request has that id.
+        """
+        account = self._accounts.get(request_id)
+        if account is None:
+            raise RequestStateError(
+                f"BudgetedVerifier: no live request {request_id!r}; call "
+                "begin_request(session, request_id=...) before its first step")
+        return account
 
     def verify(
         self,
@@ -182,23 +240,31 @@ class BudgetedVerifier:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
-        """Accept the longest feasible prefix, then the target's argmax."""
+        """Accept the longest feasible prefix, then the target's argmax; exceptions are
+        charged to ``request_id``'s account (and its session's ledger entry).
+
+        Raises:
+            RequestStateError: a greedy step for a request that is not live.
+        """
         if not sampling.greedy:
-            return self.sampler.verify(draft, logits, sampling, rng)
+            return self.sampler.verify(draft, logits, sampling, rng, request_id=request_id)
+        account = self.account(request_id)
         check_rows(draft, logits)
         x = torch.tensor(draft.tokens, dtype=torch.long)  # [k]
         cfg = self.config
-        budget_left = cfg.budget - self.spent if cfg.budget > 0 else 0.0
+        budget_left = cfg.budget - account.spent if cfg.budget > 0 else 0.0
         out = asd_accept(x, logits, budget_left, cfg.gate, cfg.max_exceptions)
         n = out.accepted
         token = int(logits[n].argmax())
         if out.exceptions:
-            self.spent += out.regret
-            self.request_regret += out.regret
-            self.request_exceptions += out.exceptions
-            if self.ledger is not None and self.session is not None:
-                self.ledger.charge(self.session, out.regret, out.exceptions)
+            account.spent += out.regret
+            account.regret += out.regret
+            account.exceptions += out.exceptions
+            if self.ledger is not None and account.session is not None:
+                self.ledger.charge(account.session, out.regret, out.exceptions)
         return VerifyResult(
             tokens=[*draft.tokens[:n], token], num_accepted=n, accepted_path=list(range(n)),
             exceptions=out.exceptions, regret=out.regret,

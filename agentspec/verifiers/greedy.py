@@ -39,6 +39,8 @@ class GreedyVerifier:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
         """Accept the longest argmax-matching prefix plus the target's next token."""
         if not sampling.greedy:

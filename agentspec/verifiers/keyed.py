@@ -107,6 +107,8 @@ class KeyedVerifier:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
         """Accept the draft prefix equal to the keyed samples, then commit the next one.
 
@@ -116,7 +118,7 @@ class KeyedVerifier:
         if sampling.greedy:
             return self._greedy.verify(draft, logits, sampling)
         if sampling.seed is None:
-            return self.unseeded.verify(draft, logits, sampling, rng)
+            return self.unseeded.verify(draft, logits, sampling, rng, request_id=request_id)
         check_rows(draft, logits)
         k = len(draft.tokens)
         keys = row_keys(seed_key(sampling.seed), range(draft.position, draft.position + k + 1))

@@ -111,9 +111,11 @@ class MultiDraftVerifier:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
         """Verify one draft (GBV)."""
-        return self._single.verify(draft, logits, sampling, rng)
+        return self._single.verify(draft, logits, sampling, rng, request_id=request_id)
 
     def verify_many(
         self,

@@ -118,6 +118,8 @@ class SingleDraftSampler:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
         """Accept the prefix the rule selects, then draw one token."""
         if sampling.greedy:

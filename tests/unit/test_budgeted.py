@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from agentspec.engine import EngineConfig, SpeculativeDecoder
-from agentspec.errors import ConfigError
+from agentspec.errors import ConfigError, RequestStateError
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.storage.ledger import LedgerEntry, RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef
@@ -24,7 +24,7 @@ from agentspec.verifiers import (
     build_verifier,
 )
 from agentspec.verifiers.budgeted import asd_accept
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, run_interleaved
 from tests.unit.test_engine_lossless import DRAFTS, ScriptedDrafter, _random, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,7 +126,61 @@ def test_verifier_commits_the_targets_argmax_after_exceptions() -> None:
     # Realised-prefix reuse: the token after the exception is still target-greedy.
     assert res.tokens == [0, 1, 0, 2] and res.num_accepted == 3
     assert (res.exceptions, res.regret) == (1, pytest.approx(0.1))
-    assert v.spent == pytest.approx(0.1) and v.remaining == pytest.approx(0.9)
+    account = v.account()
+    assert account.spent == pytest.approx(0.1) and account.remaining == pytest.approx(0.9)
+
+
+def test_budget_lifecycle_raises_on_misuse() -> None:
+    """A greedy step for a request never begun (or ended), an id begun twice, or ending an
+    unknown request raise RequestStateError naming the request."""
+    z, _ = _logits(3, {1: 0.1})
+    v = BudgetedVerifier(BudgetConfig(budget=1.0, gate=1.0, max_exceptions=1))
+    with pytest.raises(RequestStateError, match="'r1'"):
+        v.verify(Draft([0, 1, 0]), z, SamplingParams(), request_id="r1")
+    v.begin_request(None, request_id="r1")
+    with pytest.raises(RequestStateError, match="begun twice"):
+        v.begin_request(None, request_id="r1")
+    v.verify(Draft([0, 1, 0]), z, SamplingParams(), request_id="r1")
+    v.end_request("r1")
+    with pytest.raises(RequestStateError, match="'r1'"):
+        v.verify(Draft([0, 1, 0]), z, SamplingParams(), request_id="r1")
+    with pytest.raises(RequestStateError, match="never begun"):
+        v.end_request("r1")
+
+
+def test_interleaved_requests_keep_separate_budgets(tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two requests alternating steps on one BudgetedVerifier (each on its own target)
+    take the same exceptions, regret and tokens as each decoded alone, and the ledger
+    holds the same totals; every account is released when its request stops."""
+    from agentspec.targets.hf import HFTarget
+
+    prompts = ([4, 8, 15, 16, 23, 42], [3, 1, 4, 1, 5, 9, 2, 6])
+    refs = [hf_greedy(tiny_model, p, 60, None) for p in prompts]
+    cfg = BudgetConfig(budget=3.0, gate=5.0, max_exceptions=3)
+
+    def engine(verifier: BudgetedVerifier, ref: list[int]) -> SpeculativeDecoder:
+        target = HFTarget(tiny_model, None, "tiny-llama", "float32", "cpu")
+        return SpeculativeDecoder(target, ScriptedDrafter(DRAFTS["one_flip"], ref), verifier,
+                                  config=EngineConfig(max_draft=8))
+
+    def outcome(gen):  # type: ignore[no-untyped-def]
+        return gen.tokens, gen.stats.exceptions, gen.stats.regret
+
+    refs_session = [SessionRef(f"s{i}") for i in range(2)]
+    alone_ledger = RegretLedger(tmp_path / "alone.sqlite")
+    alone = [outcome(engine(BudgetedVerifier(cfg, alone_ledger), ref).generate(
+        p, max_tokens=40, session=s)) for p, ref, s in zip(prompts, refs, refs_session,
+                                                          strict=True)]
+    # Exceptions were taken and the budget binds (each request spends ~2.8 of its 3.0).
+    assert all(exc > 0 and regret > 2.0 for _, exc, regret in alone)
+    ledger = RegretLedger(tmp_path / "both.sqlite")
+    shared = BudgetedVerifier(cfg, ledger)
+    both = run_interleaved([engine(shared, ref).steps(p, max_tokens=40, session=s)
+                            for p, ref, s in zip(prompts, refs, refs_session, strict=True)])
+    assert [outcome(g) for g in both] == alone
+    for s in refs_session:
+        assert ledger.get(s) == alone_ledger.get(s)
+    assert not shared._accounts  # released by the engine
 
 
 @pytest.mark.parametrize("kind", ["wrong", "one_flip", "random", "right"])

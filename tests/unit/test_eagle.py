@@ -19,9 +19,10 @@ from agentspec.drafters.model.eagle import (
 )
 from agentspec.drafters.model.eagle_head import HeadSpec
 from agentspec.engine import EngineConfig, SpeculativeDecoder
-from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.training.eagle import TrainEagleConfig, extract_features, train_head
 from agentspec.types import DraftContext
+from tests.conftest import run_interleaved
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,7 +48,7 @@ class _Recorder:
         self.rows: dict[int, torch.Tensor] = {}
         self.starts: list[int] = []
 
-    def observe_features(self, start: int, features: torch.Tensor) -> None:
+    def observe_features(self, ctx: DraftContext, start: int, features: torch.Tensor) -> None:
         self.starts.append(start)
         for i in range(features.shape[0]):
             self.rows[start + i] = features[i]
@@ -117,14 +118,60 @@ def test_eagle_drafter_is_lossless(tiny_target: Any, char_decode: Any) -> None:
 def test_eagle_drafter_without_features_drafts_nothing(tiny_model: Any) -> None:
     drafter = EagleDrafter(_head(tiny_model))
     ctx = DraftContext([4, 5, 6], 3)
+    drafter.begin_request(None, None)
     assert drafter.propose(ctx, 4).tokens == []  # no features at all
-    drafter.observe_features(0, torch.zeros(2, tiny_model.config.hidden_size))
+    drafter.observe_features(ctx, 0, torch.zeros(2, tiny_model.config.hidden_size))
     assert len(drafter.propose(ctx, 4).tokens) == 4
-    drafter.observe_features(7, torch.zeros(1, tiny_model.config.hidden_size))  # a gap
+    drafter.observe_features(ctx, 7, torch.zeros(1, tiny_model.config.hidden_size))  # a gap
     assert drafter.propose(DraftContext([4, 5, 6, 7], 3), 4).tokens == []
     one = EagleDrafter(_head(tiny_model))
-    one.observe_features(0, torch.zeros(0, tiny_model.config.hidden_size))  # 1-token prompt
-    assert one.propose(DraftContext([4], 1), 4).tokens == []
+    first = DraftContext([4], 1)
+    one.observe_features(first, 0, torch.zeros(0, tiny_model.config.hidden_size))  # 1 token
+    assert one.propose(first, 4).tokens == []
+
+
+def test_eagle_lifecycle_raises_on_misuse(tiny_model: Any) -> None:
+    """A draft or features for a request that is not live, or one id begun twice, raise
+    RequestStateError naming the request; finish releases the request's stream."""
+    h = tiny_model.config.hidden_size
+    drafter = EagleDrafter(_head(tiny_model))
+    ctx = DraftContext([4, 5, 6], 3, request_id="r1")
+    with pytest.raises(RequestStateError, match="r1"):
+        drafter.propose(ctx, 4)
+    with pytest.raises(RequestStateError, match="r1"):
+        drafter.observe_features(ctx, 2, torch.zeros(1, h))
+    drafter.begin_request(None, None, request_id="r1")
+    with pytest.raises(RequestStateError, match="begun twice"):
+        drafter.begin_request(None, None, request_id="r1")
+    drafter.observe_features(ctx, 0, torch.zeros(2, h))
+    assert len(drafter.propose(ctx, 4).tokens) == 4 and drafter.live_requests == 1
+    drafter.finish(ctx)
+    assert drafter.live_requests == 0
+    with pytest.raises(RequestStateError, match="not live"):
+        drafter.propose(ctx, 4)
+
+
+def test_interleaved_requests_draft_as_each_alone(tiny_model: Any) -> None:
+    """Two requests alternating steps on one EagleDrafter (each on its own target: one KV
+    cache per request) take the same steps, drafts included, as each decoded alone."""
+    from agentspec.targets.hf import HFTarget
+
+    def engine(drafter: EagleDrafter) -> SpeculativeDecoder:
+        target = HFTarget(tiny_model, None, "tiny-llama", "float32", "cpu")
+        return SpeculativeDecoder(target, drafter, config=EngineConfig(max_draft=4))
+
+    prompts = ([3, 9, 27, 81, 50, 11, 3, 9, 27], [1, 2, 3, 4, 5, 6, 7, 8] * 3)
+    alone = []
+    for prompt in prompts:
+        got = engine(EagleDrafter(_head(tiny_model))).generate(prompt, max_tokens=30)
+        alone.append((got.tokens, [(s.draft_len, s.accepted) for s in got.stats.steps]))
+    shared = EagleDrafter(_head(tiny_model))
+    both = [(g.tokens, [(s.draft_len, s.accepted) for s in g.stats.steps])
+            for g in run_interleaved([engine(shared).steps(p, max_tokens=30)
+                                      for p in prompts])]
+    assert both == alone
+    assert any(k > 0 for _, steps in alone for k, _ in steps)  # it did draft
+    assert shared.live_requests == 0
 
 
 def test_min_confidence_cuts_drafts(tiny_model: Any) -> None:
@@ -133,9 +180,10 @@ def test_min_confidence_cuts_drafts(tiny_model: Any) -> None:
     shy = EagleDrafter(_head(tiny_model), EagleConfig(max_tokens=6, min_confidence=0.5))
     # A flat head: every draft probability is 1/N, below the cut.
     shy.head.logits = lambda feats: torch.zeros(*feats.shape[:-1], 96)  # type: ignore[method-assign]
-    for d in (eager, shy):
-        d.observe_features(0, torch.randn(5, h, generator=torch.Generator().manual_seed(0)))
     ctx = DraftContext([1, 2, 3, 4, 5, 6], 6)
+    for d in (eager, shy):
+        d.observe_features(ctx, 0, torch.randn(5, h,
+                                               generator=torch.Generator().manual_seed(0)))
     assert len(eager.propose(ctx, 6).tokens) == 6
     assert len(shy.propose(ctx, 6).tokens) == 1  # the first token is always drafted
     with pytest.raises(ConfigError, match="min_confidence"):
@@ -197,7 +245,16 @@ def test_hybrid_forwards_features_to_its_eagle_drafter(tiny_target: Any) -> None
     plain = SpeculativeDecoder(tiny_target)
     eng = SpeculativeDecoder(tiny_target, hybrid, config=EngineConfig(max_draft=8))
     prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 30, 31]
-    got = eng.generate(prompt, max_tokens=40)
+    steps, fed = eng.steps(prompt, max_tokens=40), 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+        (stream,) = eagle._streams.values()  # the one live request's
+        fed = stream.n_feats
     assert got.tokens == plain.generate(prompt, max_tokens=40).tokens
-    assert eagle._n_feats == len(prompt) + len(got.tokens) - 1  # every committed position
+    assert fed == len(prompt) + len(got.tokens) - 1  # every committed position
     assert hybrid.wins["model"] > 0
+    assert eagle.live_requests == 0  # released when the request finished

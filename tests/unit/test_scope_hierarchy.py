@@ -9,7 +9,7 @@ import pytest
 
 from agentspec.drafters import SuffixConfig, SuffixDrafter
 from agentspec.drafters.suffix.drafter import visible_keys
-from agentspec.drafters.suffix.index import arctic_available
+from agentspec.drafters.suffix.index import Speculation, arctic_available, new_tree
 from agentspec.tokens import common_prefix
 from agentspec.types import DraftContext, SessionRef, VerifyResult
 
@@ -189,6 +189,26 @@ def test_backends_agree_on_a_copy_workload() -> None:
     assert steps["python"] == steps["arctic"] <= len(doc) // 12
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_both_backends_answer_a_named_speculation(backend: str) -> None:
+    """A chain has no tree fields; a tree's parents and path probabilities line up with its
+    tokens and its score is their sum; an unmatched window drafts nothing."""
+    tree = new_tree(backend, 64, 32)
+    tree.extend(0, [7, 8, 1, 2, 3, 4])
+    chain = tree.speculate([7, 8, 1], 8, 2.0, 2.0, 0.0, False)
+    assert isinstance(chain, Speculation)
+    # arctic's tree stops at the shortest match that scores best; the automaton at the longest
+    assert chain.tokens == [2, 3, 4] and chain.score == 3.0 and 1 <= chain.match_len <= 3
+    assert chain.parents is None and chain.probs is None
+    tree.extend(1, [8, 1, 5, 6])  # a second continuation of ``8 1``
+    branched = tree.speculate([7, 8, 1], 8, 2.0, 2.0, 0.0, True)
+    assert branched.parents is not None and branched.probs is not None
+    assert len(branched.tokens) == len(branched.parents) == len(branched.probs) >= 2
+    assert branched.parents[0] == -1 and branched.match_len >= 1
+    assert branched.score == pytest.approx(sum(branched.probs))
+    assert tree.speculate([9], 8, 2.0, 2.0, 0.0, False) == Speculation([], 0, 0.0)
+
+
 def test_carried_indexes_and_latest_turns_stay_within_their_token_budgets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -238,7 +258,6 @@ def test_levels_nobody_reads_are_built_when_first_read(backend: str) -> None:
 
 
 def test_pending_turns_are_evicted_and_dropped_like_indexed_ones() -> None:
-    from agentspec.drafters.suffix.index import new_tree
     from agentspec.drafters.suffix.levels import Pool
 
     pool = Pool(new_tree("python", 64, 32))

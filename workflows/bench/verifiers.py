@@ -64,14 +64,16 @@ class PairedVerifier:
         logits: torch.Tensor,  # [k+1, V]
         sampling: SamplingParams,
         rng: torch.Generator | None = None,
+        *,
+        request_id: str | None = None,
     ) -> VerifyResult:
         """Block verification's result; rejection's accepted length is recorded beside it."""
         if rng is None or not draft.tokens:
-            return self.block.verify(draft, logits, sampling, rng)
+            return self.block.verify(draft, logits, sampling, rng, request_id=request_id)
         state = rng.get_state()
-        other = self.rejection.verify(draft, logits, sampling, rng)
+        other = self.rejection.verify(draft, logits, sampling, rng, request_id=request_id)
         rng.set_state(state)  # block sees exactly the uniforms rejection saw
-        result = self.block.verify(draft, logits, sampling, rng)
+        result = self.block.verify(draft, logits, sampling, rng, request_id=request_id)
         self.pairs.append((len(draft.tokens), result.num_accepted, other.num_accepted))
         return result
 

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 from agentspec.errors import ConfigError, GrammarError
 
 __all__ = [
-    "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat", "function_of", "json_rule",
-    "parse_call_object", "tool_names",
+    "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat", "forced_call_prefix",
+    "function_of", "json_rule", "parse_call_object", "tool_names",
 ]
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -157,6 +157,24 @@ def check_choice(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> st
     if name is not None and name not in names:
         raise GrammarError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
     return name
+
+
+def forced_call_prefix(tools: Sequence[dict[str, Any]] | None, tool_choice: Any, opening: str,
+                       args_key: str = "arguments") -> str:
+    """Answer text that forces a call in a format whose call body is the JSON object
+    ``{"name": ..., "<args_key>": ...}`` after ``opening`` (the call's tag and separator).
+
+    ``""`` for choices that force nothing (``None``, ``"auto"``, ``"none"``); up to the open
+    name for ``"required"`` / ``"any"``; up to the arguments' value for a named tool.
+
+    Raises:
+        GrammarError: a forced choice without tools, or a name that is not bound.
+    """
+    name = check_choice(tools, tool_choice)
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    head = opening + '{"name": "'
+    return head if name is None else f'{head}{name}", "{args_key}": '
 
 
 def _arguments_dict(args: Any) -> Any:

@@ -12,29 +12,25 @@ tag (the agent runs the tool); a small model otherwise keeps writing.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from agentspec.chat.formats.base import (
-    InvalidToolCall,
     ParsedOutput,
-    ToolCall,
     ToolFormat,
     apply_template,
     check_choice,
+    forced_call_prefix,
     hold_for_tag,
     json_rule,
-    parse_call_object,
 )
-from agentspec.chat.formats.hermes import CLOSE, OPEN, call_schema
+from agentspec.chat.formats.hermes import CLOSE, OPEN, call_schema, parse_tagged_calls
 from agentspec.errors import ConfigError
 
 TOOL_PREAMBLE = (
     "You are a helpful assistant with access to the following tools. To call a tool, reply "
     'with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.\n<tools>\n'
 )
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def render_tools(tools: Sequence[dict[str, Any]]) -> str:
@@ -93,20 +89,11 @@ class FallbackFormat(ToolFormat):
             add_generation_prompt=generation))
 
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
-        name = check_choice(tools, tool_choice)
-        if tool_choice in (None, "auto", "none"):
-            return ""
-        head = OPEN + '{"name": "'
-        return head if name is None else head + name + '", "arguments": '
+        return forced_call_prefix(tools, tool_choice, OPEN)
 
     def parse(self, text: str, known_tools: Collection[str] | None = None) -> ParsedOutput:
-        calls: list[ToolCall] = []
-        invalid: list[InvalidToolCall] = []
-        for m in _BLOCK.finditer(text):
-            parsed = parse_call_object(m.group(1), known_tools)
-            (calls if isinstance(parsed, ToolCall) else invalid).append(parsed)  # type: ignore[arg-type]
-        content = _BLOCK.sub("", text).strip() if (calls or invalid) else text
-        return ParsedOutput(content, calls, invalid)
+        parsed = parse_tagged_calls(text, known_tools)
+        return parsed if parsed is not None else ParsedOutput(text, [], [])
 
     def grammar(self, tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
         if not tools or tool_choice == "none":

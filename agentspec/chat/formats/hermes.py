@@ -30,6 +30,7 @@ from agentspec.chat.formats.base import (
     ToolCall,
     ToolFormat,
     check_choice,
+    forced_call_prefix,
     function_of,
     hold_for_tag,
     json_rule,
@@ -45,6 +46,22 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: a token cannot be matched by text anyway; one spelled as text is excluded).
 _NO_CALL = r"PROSE: /(?s:.*)/ & ~/\s*\{(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def parse_tagged_calls(text: str, known_tools: Collection[str] | None) -> ParsedOutput | None:
+    """The ``<tool_call>`` blocks of ``text`` (an unclosed last one included) as calls, the
+    content without them; ``None`` when ``text`` holds no block."""
+    calls: list[ToolCall] = []
+    invalid: list[InvalidToolCall] = []
+    for m in _BLOCK.finditer(text):
+        parsed = parse_call_object(m.group(1), known_tools)
+        if isinstance(parsed, ToolCall):
+            calls.append(parsed)
+        else:
+            invalid.append(parsed)
+    if calls or invalid:
+        return ParsedOutput(_BLOCK.sub("", text).strip(), calls, invalid)
+    return None
 
 
 def call_schema(tools: Sequence[dict[str, Any]], only: str | None = None,
@@ -102,23 +119,12 @@ class HermesFormat(ToolFormat):
     sep = "\n"
 
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
-        name = check_choice(tools, tool_choice)
-        if tool_choice in (None, "auto", "none"):
-            return ""
-        head = OPEN + self.sep + '{"name": "'
-        return head if name is None else head + name + '", "arguments": '
+        return forced_call_prefix(tools, tool_choice, OPEN + self.sep)
 
     def parse(self, text: str, known_tools: Collection[str] | None = None) -> ParsedOutput:
-        calls: list[ToolCall] = []
-        invalid: list[InvalidToolCall] = []
-        for m in _BLOCK.finditer(text):
-            parsed = parse_call_object(m.group(1), known_tools)
-            if isinstance(parsed, ToolCall):
-                calls.append(parsed)
-            else:
-                invalid.append(parsed)
-        if calls or invalid:
-            return ParsedOutput(_BLOCK.sub("", text).strip(), calls, invalid)
+        parsed = parse_tagged_calls(text, known_tools)
+        if parsed is not None:
+            return parsed
         if known_tools is not None:
             bare = parse_bare(text, known_tools, ("arguments", "parameters"))
             if bare:
@@ -173,4 +179,5 @@ class HermesFormat(ToolFormat):
         return f"{OPEN}{self.sep}{raw}{self.sep}{CLOSE}"
 
 
-__all__ = ["CLOSE", "OPEN", "HermesFormat", "call_schema", "parse_bare", "tool_names"]
+__all__ = ["CLOSE", "OPEN", "HermesFormat", "call_schema", "parse_bare", "parse_tagged_calls",
+           "tool_names"]

@@ -19,6 +19,7 @@ from agentspec.chat.formats.base import (
     ToolCall,
     ToolFormat,
     check_choice,
+    forced_call_prefix,
     json_rule,
     parse_call_object,
 )
@@ -39,10 +40,7 @@ class Llama3JsonFormat(ToolFormat):
         return {"date_string": PINNED_DATE}
 
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
-        name = check_choice(tools, tool_choice)
-        if tool_choice in (None, "auto", "none"):
-            return ""
-        return '{"name": "' if name is None else '{"name": "' + name + '", "parameters": '
+        return forced_call_prefix(tools, tool_choice, "", args_key="parameters")
 
     def parse(self, text: str, known_tools: Collection[str] | None = None) -> ParsedOutput:
         body = text.strip()

@@ -27,6 +27,7 @@ from agentspec.chat.formats.base import (
     ToolFormat,
     call_from_parts,
     check_choice,
+    forced_call_prefix,
     function_of,
     hold_for_tag,
     json_rule,
@@ -50,11 +51,7 @@ class MistralFormat(ToolFormat):
         return hashlib.sha256(cid.encode()).hexdigest()[:9]
 
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
-        name = check_choice(tools, tool_choice)
-        if tool_choice in (None, "auto", "none"):
-            return ""
-        head = TOOL_CALLS + ' [{"name": "'
-        return head if name is None else head + name + '", "arguments": '
+        return forced_call_prefix(tools, tool_choice, TOOL_CALLS + " [")
 
     def parse(self, text: str, known_tools: Collection[str] | None = None) -> ParsedOutput:
         at = text.find(TOOL_CALLS)

@@ -24,6 +24,9 @@ target's keyed sample; ``probs`` ``[k, V]`` filled, zero outside the draft vocab
 Without features (a target that cannot give them, or a desynchronised stream) the drafter
 drafts nothing rather than guessing.
 
+Each request's feature stream and head cache are its own, keyed by request id
+(:attr:`~agentspec.types.DraftContext.state_key`), so requests may interleave.
+
 Artifacts: one safetensors file, the head's tensors in fp16, ``draft_vocab`` as an int32
 tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`:
 ``$AGENTSPEC_HOME/drafters/<target>-eagle.safetensors`` (what
@@ -33,7 +36,9 @@ tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,7 @@ import numpy as np
 import torch
 
 from agentspec.drafters.model.eagle_head import EagleHead, HeadCache, HeadSpec
-from agentspec.errors import ConfigError, ModelLoadError
+from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.interfaces import ModelTarget, Target
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -70,8 +75,42 @@ class EagleConfig:
             raise ConfigError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
 
 
+@dataclass
+class _Stream:
+    """One request's feature stream and the head's KV cache over it.
+
+    Attributes:
+        cache: The head's keys and values, one entry per pair fed.
+        feats: Committed feature rows not yet fed to the head.
+        n_feats: Positions ``0 .. n_feats - 1`` have features.
+        fed: Pairs ``(f_i, x_{i+1})`` in the head cache: ``i < fed``.
+        last: ``f̂`` after the last fed pair ``[H]``.
+        in_sync: The rows arrived in order from position 0 (a gap stops drafting).
+    """
+
+    cache: HeadCache
+    feats: list[torch.Tensor] = field(default_factory=list)
+    n_feats: int = 0
+    fed: int = 0
+    last: torch.Tensor | None = None
+    in_sync: bool = False
+
+
+# Live feature streams kept: each holds a head KV cache over its whole context, and requests
+# that never finish (an abandoned stream) age out. The runtime's lock decodes one request
+# at a time, so more than a few live at once is a leak, not traffic.
+_MAX_STREAMS = 16
+
+
 class EagleDrafter:
     """Drafts greedily with an :class:`EagleHead` fed the target's features.
+
+    Each request has its own feature stream and head KV cache, keyed by
+    :attr:`~agentspec.types.DraftContext.state_key` (the engine's request id): begun by
+    :meth:`begin_request` (or by its prefill's features, ``start == 0``), fed by
+    :meth:`observe_features`, read by :meth:`propose`, released by :meth:`finish`.
+    Requests may interleave. A step or features for a request that is not live raise
+    :class:`~agentspec.errors.RequestStateError`.
 
     Attributes:
         forwards: Head forward passes so far (cost accounting).
@@ -87,12 +126,24 @@ class EagleDrafter:
         self._ids = torch.tensor(spec.draft_vocab, dtype=torch.long)  # [N] -> full vocab id
         self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
         self._vocab = spec.target_vocab
-        self._cache = HeadCache(spec.kv_heads, spec.head_dim)
-        self._feats: list[torch.Tensor] = []  # committed feature rows not yet in the cache
-        self._n_feats = 0  # positions 0 .. n_feats-1 have features
-        self._fed = 0  # pairs (f_i, x_{i+1}) in the head cache: i < fed
-        self._last: torch.Tensor | None = None  # f̂ after the last committed pair [H]
-        self._in_sync = False
+        self._streams: OrderedDict[Hashable, _Stream] = OrderedDict()
+
+    def _new_stream(self, key: Hashable) -> _Stream:
+        spec = self.head.spec
+        stream = self._streams[key] = _Stream(HeadCache(spec.kv_heads, spec.head_dim))
+        self._streams.move_to_end(key)
+        while len(self._streams) > _MAX_STREAMS:
+            self._streams.popitem(last=False)
+        return stream
+
+    def _stream(self, ctx: DraftContext, what: str) -> _Stream:
+        stream = self._streams.get(ctx.state_key)
+        if stream is None:
+            raise RequestStateError(
+                f"EagleDrafter: {what} for request {ctx.state_key!r}, which is not live; "
+                "begin_request (or its prefill's features, start=0) comes first and "
+                "finish ends it")
+        return stream
 
     # -- the FeatureDrafter protocol ------------------------------------------------------
 
@@ -101,37 +152,49 @@ class EagleDrafter:
         """Always: the head drafts from nothing else."""
         return True
 
-    def observe_features(self, start: int, features: torch.Tensor) -> None:
-        """Take the feature rows ``[m, H]`` of committed positions ``start..start+m-1``."""
+    def observe_features(self, ctx: DraftContext, start: int, features: torch.Tensor) -> None:
+        """Take the feature rows ``[m, H]`` of ``ctx``'s request's committed positions
+        ``start..start+m-1``; ``start == 0`` (the prefill's rows) begins its stream.
+
+        Raises:
+            RequestStateError: rows past position 0 for a request that is not live.
+        """
         if start == 0:  # a new request: its prompt's rows
-            self._cache.crop(0)
-            self._feats, self._n_feats, self._fed, self._last = [], 0, 0, None
-            self._in_sync = True
-        if start != self._n_feats:  # a gap or overlap: stop drafting until the next request
-            self._in_sync = False
+            stream = self._new_stream(ctx.state_key)
+            stream.in_sync = True
+        else:
+            stream = self._stream(ctx, "features")
+        if start != stream.n_feats:  # a gap or overlap: stop drafting for this request
+            stream.in_sync = False
             return
         if features.shape[0]:
-            self._feats.append(features.detach())
-            self._n_feats += int(features.shape[0])
+            stream.feats.append(features.detach())
+            stream.n_feats += int(features.shape[0])
 
     # -- the Drafter protocol -------------------------------------------------------------
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
-        """Draft up to ``max_tokens`` tokens after ``ctx.tokens`` (empty without features)."""
+        """Draft up to ``max_tokens`` tokens after ``ctx.tokens`` (empty without features).
+
+        Raises:
+            RequestStateError: ``ctx``'s request is not live.
+        """
+        stream = self._stream(ctx, "a draft")
         k = min(max_tokens, self.config.max_tokens)
         tokens = ctx.tokens
-        if k < 1 or not self._in_sync or self._n_feats != len(tokens) - 1:
+        if k < 1 or not stream.in_sync or stream.n_feats != len(tokens) - 1:
             return Draft(source=self.name)
         key = request_key(ctx.sampling)
         noise = None if key is None else row_keys(key, range(len(ctx.generated),
                                                              len(ctx.generated) + k))
         rows: list[torch.Tensor] = []
         with torch.inference_mode():
-            last = self._catch_up(tokens)
+            last = self._catch_up(stream, tokens)
             if last is None:
                 return Draft(source=self.name)
+            cache = stream.cache
             draft: list[int] = []
-            base = self._cache.n
+            base = cache.n
             pos = len(tokens) - 1  # position of the pending token's pair (f̂, d_1)
             while True:
                 logits = self.head.logits(last)  # [N]
@@ -149,10 +212,10 @@ class EagleDrafter:
                 if len(draft) >= k:
                     break
                 out = self.head(last.view(1, 1, -1), torch.tensor([[draft[-1]]]),
-                                torch.tensor([pos]), self._cache)  # [1, 1, H]
+                                torch.tensor([pos]), cache)  # [1, 1, H]
                 self.forwards += 1
                 last, pos = out[0, -1], pos + 1
-            self._cache.crop(base)  # drafted pairs were speculative
+            cache.crop(base)  # drafted pairs were speculative
         probs = torch.stack(rows) if rows else None  # [k, V]
         return Draft(tokens=draft, probs=probs, source=self.name)
 
@@ -160,27 +223,40 @@ class EagleDrafter:
         """Nothing: the committed rows arrive through :meth:`observe_features`."""
 
     def finish(self, ctx: DraftContext) -> None:
-        """Nothing: the next request's prefill features reset the head's cache."""
+        """Release the request's feature stream and head cache."""
+        self._streams.pop(ctx.state_key, None)
 
     def begin_request(
         self, session: SessionRef | None, rng: Any, request_id: str | None = None
     ) -> None:
-        """Nothing until the prefill's features arrive (drafts are greedy). The head's
-        feature stream is the one request's the engine is decoding: keying it per request
-        would need the request id in ``observe_features`` too."""
-        self._in_sync = False
+        """Open the request's stream (drafts are greedy or keyed: ``rng`` is unused); it
+        drafts once the prefill's features arrive.
 
-    def _catch_up(self, tokens: Any) -> torch.Tensor | None:
+        Raises:
+            RequestStateError: ``request_id`` names a request that has not finished.
+        """
+        key = ("id", request_id) if request_id is not None else ("session", session)
+        if request_id is not None and key in self._streams:
+            raise RequestStateError(
+                f"EagleDrafter: request {request_id!r} was begun twice; finish it first")
+        self._new_stream(key)
+
+    @property
+    def live_requests(self) -> int:
+        """Feature streams held (begun, not yet finished or aged out)."""
+        return len(self._streams)
+
+    def _catch_up(self, stream: _Stream, tokens: Any) -> torch.Tensor | None:
         """Feed the pairs committed since the last draft; return ``f̂`` of the pending
         position ``[H]`` (``None`` when there is no pair at all: a one-token prompt)."""
         n = len(tokens) - 1  # pairs i = 0 .. n-1 exist: f_i and x_{i+1} are committed
-        if self._fed < n:
-            rows = torch.cat(self._feats)  # [n - fed, H]: positions fed .. n-1
-            nxt = torch.tensor([list(tokens[self._fed + 1 : n + 1])])  # [1, n - fed]
-            out = self.head(rows[None], nxt, torch.arange(self._fed, n), self._cache)
+        if stream.fed < n:
+            rows = torch.cat(stream.feats)  # [n - fed, H]: positions fed .. n-1
+            nxt = torch.tensor([list(tokens[stream.fed + 1 : n + 1])])  # [1, n - fed]
+            out = self.head(rows[None], nxt, torch.arange(stream.fed, n), stream.cache)
             self.forwards += 1
-            self._last, self._fed, self._feats = out[0, -1], n, []
-        return self._last
+            stream.last, stream.fed, stream.feats = out[0, -1], n, []
+        return stream.last
 
 
 def eagle_path(target_name: str) -> Path | None:

@@ -76,7 +76,7 @@ _LAST_TURN_TOKENS = 1 << 22
 
 
 def _neg_score(spec: Speculation) -> float:
-    return -spec[2]
+    return -spec.score
 
 
 class SuffixDrafter:
@@ -88,9 +88,10 @@ class SuffixDrafter:
             of the request lifecycle.
 
     Attributes:
-        last_origin: Which index produced the latest draft: ``"request"``, ``"session"``,
-            ``"agent"``, ``"tenant"``, ``"outputs"``, ``"tree"`` (several merged into one
-            tree draft) or ``"none"``.
+        last_origin: Which index produced the latest draft of any request (a diagnostic:
+            nothing reads it back): ``"request"``, ``"session"``, ``"agent"``,
+            ``"tenant"``, ``"outputs"``, ``"tree"`` (several merged into one tree draft)
+            or ``"none"``.
     """
 
     name = "suffix"
@@ -144,7 +145,7 @@ class SuffixDrafter:
             if cfg.use_request_index:
                 req = self._sync(ctx)
                 spec = req.tree.speculate(window[-cfg.request_window :], *args)
-                if spec[0]:
+                if spec.tokens:
                     cands.append(("request", spec))
             if cfg.use_history and ctx.session is not None:
                 pools = req.pools if req is not None else self._visible(ctx.session, False)
@@ -156,13 +157,13 @@ class SuffixDrafter:
                     if not seen:
                         continue
                     spec = pool.ready().speculate(window, *args)
-                    if spec[0]:
+                    if spec.tokens:
                         cands.append((level, spec))
                 if cfg.use_outputs and req is not None and req.out is not None:
                     spec = req.out[0].tree.speculate(window, *args)
-                    if spec[0]:
+                    if spec.tokens:
                         cands.append(("outputs", spec))
-            best: Speculation = ([], 0, 0.0, None, None)
+            best = Speculation([], 0, 0.0)
             origin = "none"
             if len(cands) == 1:
                 origin, best = cands[0]
@@ -173,7 +174,7 @@ class SuffixDrafter:
                 for level, spec in cands:
                     # The expected accepted length: the index's own estimate (its score),
                     # scaled by how that level's estimates have turned out for this tenant.
-                    v = spec[2] * calib.ratio(level, spec[1])
+                    v = spec.score * calib.ratio(level, spec.match_len)
                     if v > value:
                         best, origin, value = spec, level, v
                 if req is not None and cfg.calibrate:
@@ -181,7 +182,8 @@ class SuffixDrafter:
         self.last_origin = origin
         # Both backends return fresh lists (no copy needed) and valid trees (parents
         # before children: arctic's speculation, the merge), so no check is needed either.
-        return Draft.trusted(best[0], best[3] or None, best[2], best[1], self.name)
+        return Draft.trusted(best.tokens, best.parents or None, best.score, best.match_len,
+                             self.name)
 
     @staticmethod
     def _merged(cands: list[tuple[str, Speculation]], limit: int) -> Speculation:
@@ -193,8 +195,8 @@ class SuffixDrafter:
         # A stable sort: on equal scores the narrowest index stays first.
         specs = sorted([spec for _, spec in cands], key=_neg_score)
         toks, parents, score = merge_trees(
-            [(1.0, s[0], s[3] or [], s[4] or []) for s in specs], limit)
-        return toks, max([s[1] for s in specs]), score, parents, None
+            [(1.0, s.tokens, s.parents or [], s.probs or []) for s in specs], limit)
+        return Speculation(toks, max([s.match_len for s in specs]), score, parents)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Append the committed tokens to the request index."""

@@ -20,16 +20,34 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agentspec.drafters.suffix.automaton import SuffixIndex
 from agentspec.errors import ConfigError
 
 BACKENDS = ("auto", "arctic", "python")
 
-# (tokens, match length, score, parents, path probabilities); the last two are None for
-# chains
-Speculation = tuple[list[int], int, float, "list[int] | None", "list[float] | None"]
+
+class Speculation(NamedTuple):
+    """One index's draft for a context: a chain, or a token tree when asked for one.
+
+    Attributes:
+        tokens: The drafted token ids (a tree's nodes, parents always before children);
+            empty when the index holds no continuation.
+        match_len: Length of the context suffix the index matched (the draft's evidence).
+        score: The index's estimate of the draft's expected accepted length: the sum of its
+            tokens' path probabilities.
+        parents: For a tree, the index of each token's parent in ``tokens`` (-1 for children
+            of the root); ``None`` for a chain.
+        probs: For a tree, each token's path probability; ``None`` for a chain (and for a
+            merged tree, whose nodes are not re-weighed).
+    """
+
+    tokens: list[int]
+    match_len: int
+    score: float
+    parents: list[int] | None = None
+    probs: list[float] | None = None
 
 
 class Tree(Protocol):
@@ -92,10 +110,10 @@ class ArcticTree:
         d = self._tree.speculate(window, limit, factor, offset, min_prob, tree)
         toks = d.token_ids
         if not toks:
-            return [], 0, 0.0, None, None
+            return Speculation([], 0, 0.0)
         if tree:
-            return toks, d.match_len, d.score, d.parents, d.probs
-        return toks, d.match_len, d.score, None, None
+            return Speculation(toks, d.match_len, d.score, d.parents, d.probs)
+        return Speculation(toks, d.match_len, d.score)
 
     def memory_bytes(self) -> int:
         """arctic's own estimate of the tree's size."""
@@ -134,10 +152,10 @@ class PyTree:
         """``SuffixIndex.speculate`` (or ``speculate_tree``)."""
         if tree:
             t = self._index.speculate_tree(window, limit, self._depth, factor, offset, min_prob)
-            return t.tokens, t.match_len, t.score, t.parents, t.probs
+            return Speculation(t.tokens, t.match_len, t.score, t.parents, t.probs)
         toks, ell, score = self._index.speculate(window, limit, self._depth, factor, offset,
                                                  min_prob)
-        return toks, ell, score, None, None
+        return Speculation(toks, ell, score)
 
     def memory_bytes(self) -> int:
         """The automaton's estimate plus the kept tokens."""

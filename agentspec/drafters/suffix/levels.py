@@ -97,13 +97,13 @@ class Calibration:
 
     def learn(self, cands: Sequence[tuple[str, Speculation]], committed: Sequence[int]) -> None:
         """Score each candidate against the committed tokens (a prefix of the truth)."""
-        for level, (tokens, match_len, score, parents, _) in cands:
-            if parents is not None:
+        for level, spec in cands:
+            if spec.parents is not None:
                 continue  # tree drafts: the chosen branch is unknown here
-            n = common_prefix(tokens, committed)
-            st = self.sums.setdefault(self.key(level, match_len), [0.0, 0.0])
+            n = common_prefix(spec.tokens, committed)
+            st = self.sums.setdefault(self.key(level, spec.match_len), [0.0, 0.0])
             st[0] = st[0] * self.DECAY + n
-            st[1] = st[1] * self.DECAY + score
+            st[1] = st[1] * self.DECAY + spec.score
 
 
 # Most tokens a read of a history index moves from its pending turns into its tree: a
