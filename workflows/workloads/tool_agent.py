@@ -42,7 +42,6 @@ from workflows.workloads.datasets import load_delegate52
 from workflows.workloads.tools import (
     TOOLS,
     FakeTools,
-    native_format,
     parse_tool_call,
     strip_tool_calls,
 )
@@ -106,7 +105,7 @@ class ToolSession:
         self._tools = tools
         self.turns = min(turns, len(plan) + 1)  # requests this session will make
         self._max_tokens = max_tokens
-        self._fmt = native_format(fmt)  # None: the fallback's rules (see tools.py)
+        self._fmt = fmt  # parse/strip read the fallback by their own rules (tools.py)
         self._messages: list[Message] = [
             {"role": "system", "content": system_prompt(fmt)},
             {"role": "user", "content": task},

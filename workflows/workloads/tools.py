@@ -164,17 +164,19 @@ def parse_tool_call(
 ) -> tuple[str, dict[str, Any]] | None:
     """The first valid call to one of :data:`TOOLS` in a model output, if any.
 
-    With the model's tool format ``fmt``, its parser decides. Without it, the runtime's
-    default parser (:func:`agentspec.chat.tool_calls.parse_tool_calls`) reads the ``<tool_call>``
-    blocks of the fallback and Hermes formats (the two shipped models' dialects) and, as a
-    fallback for a small model, an output that is one bare JSON object with ``name`` and
+    With the model's tool format ``fmt``, its parser decides. Without it, or with the
+    fallback format (:func:`native_format`), the runtime's default parser
+    (:func:`agentspec.chat.tool_calls.parse_tool_calls`) reads the ``<tool_call>`` blocks of
+    the fallback and Hermes formats (the two shipped models' dialects) and, as a fallback
+    for a small model, an output that is one bare JSON object with ``name`` and
     ``arguments``.
 
     Returns:
         ``(name, arguments)`` for a known tool with object arguments, else ``None``.
     """
-    if fmt is not None:
-        calls = fmt.parse(output, TOOL_NAMES).tool_calls
+    native = native_format(fmt)
+    if native is not None:
+        calls = native.parse(output, TOOL_NAMES).tool_calls
         return (calls[0].name, calls[0].arguments) if calls else None
     stripped = output.strip()
     for text in (output, f"<tool_call>{stripped}</tool_call>" if stripped[:1] == "{" else ""):
