@@ -63,6 +63,22 @@ def select_turns(sessions: Sequence[ReplaySession], max_prompt: int, max_tokens:
     return out
 
 
+def driven_turns(traces: Sequence[str | Path], tokenizer: Any, max_prompt: int,
+                 max_tokens: int, turns: int) -> list[tuple[ReplaySession, int]]:
+    """The logged runs in ``traces``, tokenised, and their turns chosen by
+    :func:`select_turns` (the one selection of every driven bench).
+
+    Raises:
+        BenchmarkError: no logged turn fits ``max_prompt``.
+        TraceFormatError: see :func:`workflows.replay.logs.load_sessions`.
+    """
+    selected = select_turns(load_sessions(list(traces), tokenizer), max_prompt, max_tokens,
+                            turns)
+    if not selected:
+        raise BenchmarkError(f"no logged turn fits max_prompt={max_prompt}")
+    return selected
+
+
 def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAGED_TRACES,),
         max_tokens: int = 64, max_prompt: int = 2560, turns: int = 30, max_draft: int = 32,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
@@ -81,9 +97,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
-    selected = select_turns(load_sessions(list(traces), tok), max_prompt, max_tokens, turns)
-    if not selected:
-        raise BenchmarkError(f"no logged turn fits max_prompt={max_prompt}")
+    selected = driven_turns(traces, tok, max_prompt, max_tokens, turns)
     eos = eos_ids(tok)
 
     def decode(ids: Sequence[int]) -> str:

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentspec.errors import BenchmarkError
 from agentspec.types import SessionRef
-from workflows.bench.driven import select_turns
-from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
+from workflows.bench.driven import driven_turns
+from workflows.replay.logs import PACKAGED_TRACES, ReplaySession
 
 WORKLOAD = "traces"
 
@@ -87,10 +86,7 @@ def driven_sessions(
         BenchmarkError: no logged turn fits ``max_prompt``.
         TraceFormatError: see :func:`workflows.replay.logs.load_sessions`.
     """
-    selected = select_turns(load_sessions(list(traces), tokenizer), max_prompt, max_tokens,
-                            turns)
-    if not selected:
-        raise BenchmarkError(f"no logged turn fits max_prompt={max_prompt}")
+    selected = driven_turns(traces, tokenizer, max_prompt, max_tokens, turns)
     chains: list[LoggedSession] = []
     for sess, i in selected:
         if not chains or chains[-1].session is not sess:
