@@ -23,6 +23,8 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
+from agentspec.targets import attention
+from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 
@@ -118,6 +120,8 @@ class HFTarget:
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
+            attention.install(model)
 
     @classmethod
     def load(cls, config: TargetConfig | None = None) -> HFTarget:
@@ -183,8 +187,6 @@ class HFTarget:
         token, so the logits are this request's. :attr:`reused_tokens` says how many
         were reused.
         """
-        from transformers import DynamicCache
-
         self.check_fits(len(tokens))
         tokens = list(tokens)
         self._retire()
@@ -193,7 +195,7 @@ class HFTarget:
         if scope is not None and self.reuse_enabled and len(tokens) > 1 and self._can_reuse():
             cache = self._reuse(scope, tokens)
         if cache is None:
-            cache = DynamicCache(config=self.model.config)
+            cache = self._new_cache()
         self._cache = cache
         self._scope = scope
         self._ids = tokens[: self.reused_tokens]
@@ -210,20 +212,17 @@ class HFTarget:
         """Whether this model's cache layers can be cut and rebuilt (plain full-attention
         layers; sliding-window layers drop old positions, so they never reuse)."""
         if self._reusable is None:
-            from transformers import DynamicCache
-            from transformers.cache_utils import DynamicLayer
-
-            probe = DynamicCache(config=self.model.config)
-            self._reusable = bool(probe.layers) and all(
-                type(layer) is DynamicLayer for layer in probe.layers)
+            self._reusable = reusable_layers(self._new_cache())
         return self._reusable
+
+    def _new_cache(self) -> Any:
+        """An empty KV cache whose full-attention layers append in place (kv_cache.py)."""
+        return new_cache(self.model.config, self.max_positions)
 
     def _reuse(self, scope: str, tokens: list[int]) -> Any:
         """A cache holding the longest reusable prefix of ``tokens`` (``None``: nothing),
         setting :attr:`reused_tokens`. The live cache is cut in place when it holds at
         least as much as the store; else the stored blocks are copied into a new cache."""
-        from transformers import DynamicCache
-
         assert self.prefix_cache is not None
         limit = len(tokens) - 1  # feed at least one token: its logits are the answer
         live = 0
@@ -245,9 +244,9 @@ class HFTarget:
         n, kv = self.prefix_cache.lookup(scope, tokens, limit)
         if not n:
             return None
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache()
         with torch.inference_mode():
-            for i, (k, v) in enumerate(kv):  # plain DynamicLayers (see _can_reuse)
+            for i, (k, v) in enumerate(kv):  # full-attention layers (see _can_reuse)
                 cache.update(k, v, i)
         self.reused_tokens = n
         return cache

@@ -80,11 +80,14 @@ def driven_turns(traces: Sequence[str | Path], tokenizer: Any, max_prompt: int,
 
 
 def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAGED_TRACES,),
-        max_tokens: int = 64, max_prompt: int = 2560, turns: int = 30, max_draft: int = 32,
+        max_tokens: int = 64, max_prompt: int = 0, turns: int = 30, max_draft: int = 32,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
         out: Path | None = None, progress: bool = True, model: str | None = None,
         ) -> dict[str, Any]:
     """Drive the logged sessions with every method, reuse on and off; return the report.
+
+    ``max_prompt`` ``0`` (the default) cuts sessions where they no longer fit the model's
+    context window, as an agent platform would have to.
 
     Raises:
         BenchmarkError: unknown method, no turn fits ``max_prompt``, a zero budget, or
@@ -92,11 +95,14 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     """
     if prefix_cache_bytes <= 0:
         raise BenchmarkError("prefix_cache_bytes must be > 0 (the reuse-on variants need it)")
+    if max_prompt < 0:
+        raise BenchmarkError(f"max_prompt must be >= 0 (0: the model's window), got {max_prompt}")
     for m in methods:
         if m not in METHODS:
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
+    max_prompt = max_prompt or base.max_positions
     selected = driven_turns(traces, tok, max_prompt, max_tokens, turns)
     eos = eos_ids(tok)
 
@@ -243,8 +249,9 @@ def add_drive_parser(sub: Any) -> None:
                    help="shipped model name (default: the embedded model; see `agentspec "
                         "models`) or a local Hugging Face folder")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-prompt", type=int, default=2560,
-                   help="cut a session at its first turn whose prompt + answer exceeds this")
+    p.add_argument("--max-prompt", type=int, default=0,
+                   help="cut a session at its first turn whose prompt + answer exceeds this "
+                        "many tokens (default 0: the model's context window)")
     p.add_argument("--turns", type=int, default=30, help="most turns in all (0: all)")
     p.add_argument("--max-draft", type=int, default=32)
     p.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
