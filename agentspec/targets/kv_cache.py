@@ -66,7 +66,9 @@ class GrowingLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         if need <= self.capacity:
             return
-        grown = max(need, self.capacity + self.capacity // 2, _MIN_CAPACITY)
+        # A quarter beyond the need: a cache filled from stored prefix blocks is extended
+        # by the prompt's tail and the answer next, without a second copy.
+        grown = max(need + need // 4, self.capacity + self.capacity // 2, _MIN_CAPACITY)
         if self.max_positions is not None:
             grown = max(need, min(grown, self.max_positions))
         bufs = []

@@ -69,3 +69,21 @@ def test_drive_command_is_wired() -> None:
         ["drive", "--methods", "plain,suffix", "--turns", "31", "--max-tokens", "16",
          "--model", "qwen"])
     assert (args.command, args.turns, args.max_tokens, args.model) == ("drive", 31, 16, "qwen")
+
+
+def test_logged_runs_are_driven_in_file_order_up_to_the_turn_count() -> None:
+    from workflows.bench.driven import _turns
+    from workflows.bench.driven_sources import logged_sessions
+
+    a, b = _session("a", [10, 20, 30]), _session("b", [5, 6])
+    sessions = logged_sessions([(a, 0), (a, 1), (b, 0), (b, 1)])
+    assert [(s.name, s.turns) for s in sessions] == [("a", [0, 1]), ("b", [0, 1])]
+    got = [(s.name, i, len(p)) for s, i, p in _turns(list(sessions), 3, {})]
+    assert got == [("a", 0, 10), ("a", 1, 20), ("b", 0, 5)]
+
+
+def test_unknown_driven_workload_is_refused() -> None:
+    with pytest.raises(BenchmarkError, match="unknown driven workload 'chat'"):
+        run(workload="chat")
+    args = console.build_parser().parse_args(["drive", "--workload", "tool_agent"])
+    assert args.workload == "tool_agent" and args.max_prompt == 0

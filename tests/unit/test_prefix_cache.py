@@ -296,3 +296,46 @@ def test_corrupt_or_foreign_spill_files_are_misses(tmp_path) -> None:  # type: i
     small = KVSpill(tmp_path / "small", budget_bytes=3000)
     PrefixCache(10**7, block_size=4, spill=small).insert("t", list(range(40)), _kv(40))
     assert small.bytes_used <= 3000 and len(list((tmp_path / "small").glob("*.kv"))) >= 1
+
+
+def test_a_long_tail_after_reuse_is_fed_in_chunks_with_the_same_logits(
+        reusing: HFTarget, plain: HFTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentspec.targets import hf
+
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 16)
+    rng = random.Random(7)
+    first = [rng.randrange(2, 96) for _ in range(120)]
+    reusing.prefill(first, scope="chunks")
+    prompt = first + [rng.randrange(2, 96) for _ in range(75)]  # 75 new: 5 chunks
+    calls: list[int] = []
+    forward = reusing._forward
+    monkeypatch.setattr(reusing, "_forward",
+                        lambda toks, last_only=False: calls.append(len(toks))
+                        or forward(toks, last_only))
+    got = reusing.prefill(prompt, scope="chunks")
+    assert reusing.reused_tokens == 120 and calls == [16, 16, 16, 16, 11]
+    feats = reusing.last_features()  # (both targets hook the one model's norm)
+    want = plain.prefill(prompt)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(), want.argmax())
+    # Hidden states of every fed position, as one forward would give.
+    assert feats.shape[0] == 75
+    torch.testing.assert_close(feats, plain.last_features()[120:], atol=1e-4, rtol=1e-4)
+    assert reusing.num_cached == len(prompt)
+
+
+def test_a_tiny_shared_prefix_before_a_long_tail_is_not_reused(reusing: HFTarget) -> None:
+    """Reusing 8 tokens ahead of 400 new ones would cost more (masked attention over the
+    tail) than it saves: the target prefills cold and says so."""
+    rng = random.Random(3)
+    shared = [rng.randrange(2, 96) for _ in range(8)]
+    reusing.prefill([*shared, 5, 6], scope="small")
+    reusing.prefill([9, 9, 9], scope="other")  # retire the first request into the store
+    lookups = reusing.prefix_cache.stats.lookups
+    long_tail = shared + [rng.randrange(2, 96) for _ in range(400)]
+    reusing.prefill(long_tail, scope="small")
+    assert reusing.reused_tokens == 0
+    assert reusing.prefix_cache.stats.lookups == lookups + 1  # counted as a miss
+    # The same 8 tokens ahead of a short tail are reused.
+    reusing.prefill([*shared, 7, 8, 9], scope="small")
+    assert reusing.reused_tokens == 8

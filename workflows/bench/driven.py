@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -36,6 +36,14 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from agentspec.tokens import eos_ids
 from agentspec.types import SessionRef
+from workflows.bench.driven_sources import (
+    WORKLOADS,
+    DrivenSession,
+    LoggedSession,
+    check_workload,
+    logged_sessions,
+    tool_agent_sessions,
+)
 from workflows.bench.methods import method_spec
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 
@@ -83,11 +91,13 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         max_tokens: int = 64, max_prompt: int = 0, turns: int = 30, max_draft: int = 32,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
         out: Path | None = None, progress: bool = True, model: str | None = None,
-        ) -> dict[str, Any]:
-    """Drive the logged sessions with every method, reuse on and off; return the report.
+        workload: str = "traces") -> dict[str, Any]:
+    """Drive the sessions with every method, reuse on and off; return the report.
 
-    ``max_prompt`` ``0`` (the default) cuts sessions where they no longer fit the model's
-    context window, as an agent platform would have to.
+    ``workload`` ``"traces"`` drives the logged runs in ``traces``; ``"tool_agent"`` the
+    live tool agent (:mod:`workflows.bench.driven_sources`). ``max_prompt`` ``0`` (the
+    default) cuts sessions where they no longer fit the model's context window, as an agent
+    platform would have to.
 
     Raises:
         BenchmarkError: unknown method, no turn fits ``max_prompt``, a zero budget, or
@@ -100,10 +110,16 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     for m in methods:
         if m not in METHODS:
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    check_workload(workload)
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
     max_prompt = max_prompt or base.max_positions
-    selected = driven_turns(traces, tok, max_prompt, max_tokens, turns)
+    sessions: list[DrivenSession]
+    if workload == "traces":
+        sessions = list(logged_sessions(driven_turns(traces, tok, max_prompt, max_tokens,
+                                                     turns)))
+    else:
+        sessions = list(tool_agent_sessions(tok, max_prompt, max_tokens))
     eos = eos_ids(tok)
 
     def decode(ids: Sequence[int]) -> str:
@@ -124,8 +140,13 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     names = list(variants)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    for k, (sess, i) in enumerate(selected):
-        prompt = sess.turns[i].prompt
+    # Logged runs know their turn count up front; a live session ends when it ends.
+    planned = (sum(len(s.turns) for s in sessions if isinstance(s, LoggedSession))
+               if workload == "traces" else turns)  # 0: as many as the sessions have
+    sess_out: dict[int, list[int]] = {}
+    report: dict[str, Any] | None = None
+    for sess, i, prompt in _turns(sessions, turns, sess_out):
+        k = len(rows)
         shift = k % len(names)
         outs: dict[str, list[int]] = {}
         row: dict[str, Any] = {"session": sess.name, "turn": i, "prompt_tokens": len(prompt),
@@ -150,22 +171,41 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         ref_tokens = outs[names[0]]
         row["identical"] = all(o == ref_tokens for o in outs.values())
         rows.append(row)
+        sess_out[id(sess)] = ref_tokens  # the session's history goes on with this answer
         if progress:
             lat = " ".join(f"{n}={row['methods'][n]['latency_s']:.1f}s" for n in names)
-            print(f"[{k + 1}/{len(selected)} {time.perf_counter() - t_start:.0f}s] "
+            print(f"[{k + 1}/{planned} {time.perf_counter() - t_start:.0f}s] "
                   f"{sess.name[:40]} turn {i} ({len(prompt)} tok): {lat}",
                   file=sys.stderr, flush=True)
         report = summarize(rows, names, stores, dict(
-            max_tokens=max_tokens, max_prompt=max_prompt, turns=len(selected),
-            max_draft=max_draft, prefix_cache_bytes=prefix_cache_bytes, model=base.name,
-            dtype=base.dtype, traces=[str(t) for t in traces]))
+            workload=workload, max_tokens=max_tokens, max_prompt=max_prompt,
+            turns=planned, max_draft=max_draft, prefix_cache_bytes=prefix_cache_bytes,
+            model=base.name, dtype=base.dtype,
+            traces=[str(t) for t in traces] if workload == "traces" else []))
         if out is not None:  # after every turn: a long run leaves partial results
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1))
+    if report is None:
+        raise BenchmarkError(f"no driven turn fits max_prompt={max_prompt}")
     if not all(r["identical"] for r in rows):
         bad = [f"{r['session']}#{r['turn']}" for r in rows if not r["identical"]]
         raise BenchmarkError(f"variants disagree on turns {bad}")
     return report
+
+
+def _turns(sessions: list[DrivenSession], most: int, last: dict[int, list[int]],
+           ) -> Iterator[tuple[DrivenSession, int, list[int]]]:
+    """``(session, turn index, prompt)`` in order, each session to its end, ``most`` turns in
+    all (0: no limit); ``last[id(session)]`` holds the answer of its latest turn."""
+    done = 0
+    for sess in sessions:
+        i = 0
+        while not most or done < most:
+            prompt = sess.next_prompt(last.get(id(sess)))
+            if prompt is None:
+                break
+            yield sess, i, prompt
+            i, done = i + 1, done + 1
 
 
 def summarize(rows: list[dict[str, Any]], names: list[str], stores: dict[str, PrefixCache],
@@ -228,7 +268,8 @@ def format_table(report: dict[str, Any]) -> str:
         )
     ident = "identical" if report["all_identical"] else "DIFFERENT"
     done, planned = len(report["rows"]), report["settings"]["turns"]
-    lines.append(f"\n{done} of {planned} turns; outputs of all variants: {ident}")
+    of = f"{done} of {planned}" if planned else f"{done}"
+    lines.append(f"\n{of} turns; outputs of all variants: {ident}")
     return "\n".join(lines)
 
 
@@ -242,6 +283,10 @@ def add_drive_parser(sub: Any) -> None:
     p.add_argument("traces", nargs="*", default=[str(PACKAGED_TRACES)],
                    help="SWE-agent .traj / JSONL files or folders (default: the packaged "
                         "SWE-agent trajectories)")
+    p.add_argument("--workload", choices=WORKLOADS, default="traces",
+                   help="traces: the logged runs (their logged answers stay in the "
+                        "history); tool_agent: the live tool agent, whose history holds the "
+                        "model's own answers (default: traces)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, each run with reuse on and off (default: "
                         f"{','.join(METHODS)})")
@@ -263,6 +308,7 @@ def run_drive_cli(args: argparse.Namespace) -> int:
     """Run ``agentspec drive`` and print its table."""
     report = run([m.strip() for m in args.methods.split(",") if m.strip()], args.traces,
                  args.max_tokens, args.max_prompt, args.turns, args.max_draft,
-                 args.prefix_cache_mb << 20, out=args.out, model=args.model)
+                 args.prefix_cache_mb << 20, out=args.out, model=args.model,
+                 workload=args.workload)
     print(format_table(report))
     return 0

@@ -1,0 +1,43 @@
+"""``agentspec drive`` end to end on the embedded model: the logged runs and the live tool
+agent, every variant's output identical, reuse reading what the session already sent."""
+
+from __future__ import annotations
+
+from agentspec.targets.hf import HFTarget
+from workflows.bench.driven import run
+
+
+def test_logged_runs_reuse_their_history_with_identical_output(
+        embedded_target: HFTarget) -> None:
+    report = run(["plain", "suffix"], max_tokens=6, max_prompt=1400, turns=2,
+                 target=embedded_target, progress=False)
+    rows = report["rows"]
+    assert [(r["session"], r["turn"]) for r in rows] == [(rows[0]["session"], 0),
+                                                       (rows[0]["session"], 1)]
+    assert report["all_identical"]
+    second = rows[1]
+    for name in ("plain+reuse", "suffix+reuse"):
+        # The second turn re-sends the first prompt: all of it is read from KV.
+        assert second["methods"][name]["cached_tokens"] >= rows[0]["prompt_tokens"] - 1
+    for name in ("plain", "suffix"):
+        assert second["methods"][name]["cached_tokens"] == 0
+    assert report["settings"]["max_prompt"] == 1400
+
+
+def test_the_live_tool_agent_reuses_the_models_own_answers(embedded_target: HFTarget) -> None:
+    report = run(["plain", "suffix"], max_tokens=12, turns=3, workload="tool_agent",
+                 target=embedded_target, progress=False)
+    rows = report["rows"]
+    assert len(rows) == 3 and report["all_identical"]
+    assert report["settings"]["max_prompt"] == embedded_target.max_positions
+    later = [r for r in rows if r["turn"] > 0]
+    assert later, "the first tool-agent session has more than one turn"
+    for r in later:
+        prev = rows[rows.index(r) - 1]
+        # The earlier prompt (system prompt, tool schemas, task) is reused at least.
+        assert r["methods"]["suffix+reuse"]["cached_tokens"] >= prev["prompt_tokens"] - 16
+    # Sessions of one agent share the system prompt and tool schemas across sessions too:
+    # a new session's first turn reads them from the tenant's prefix store.
+    firsts = [r for r in rows if r["turn"] == 0]
+    for r in firsts[1:]:
+        assert r["methods"]["plain+reuse"]["cached_tokens"] > 0
