@@ -11,6 +11,7 @@ loop is also the greedy baseline.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from agentspec.errors import ConfigError, DraftError, PromptTooLongError
+from agentspec.errors import ConfigError, DraftError, PromptTooLongError, RequestStateError
 from agentspec.interfaces import (
     BatchTarget,
     Constraint,
@@ -366,7 +367,12 @@ class SpeculativeDecoder:
             # request stops: finished, failed, or abandoned by its consumer.
             for part in self._request_parts():
                 if isinstance(part, RequestEnding):
-                    part.end_request(rid)
+                    # The engine began this request itself, so a missing account was aged
+                    # out (more live requests than the part keeps): nothing is left to
+                    # release, and raising here would hide the request's own outcome (its
+                    # result, or the error that is propagating).
+                    with contextlib.suppress(RequestStateError):
+                        part.end_request(rid)
 
     # -- the per-request and per-step hooks (MultiDraftDecoder overrides them) -------------
 

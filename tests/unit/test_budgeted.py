@@ -292,3 +292,31 @@ def test_build_verifier_and_policy_validation(tmp_path) -> None:  # type: ignore
         VerifierPolicy(num_drafts=4, sampler="block")
     with pytest.raises(ConfigError, match="gate"):
         BudgetConfig(gate=-1.0)
+
+
+def test_an_aged_out_account_neither_fails_a_finished_request_nor_hides_an_error(
+        tiny_model, tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """More live requests than the verifier keeps: the oldest account ages out. Ending that
+    request must not turn its result into an error, nor replace the error it raised."""
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = hf_greedy(tiny_model, prompt, 40, None)
+    verifier = BudgetedVerifier(BudgetConfig(budget=0.0))
+    engine = SpeculativeDecoder(tiny_target, ScriptedDrafter(DRAFTS["right"], ref), verifier,
+                                config=EngineConfig(max_draft=4))
+    steps = engine.steps(prompt, max_tokens=12)
+    next(steps)
+    verifier._accounts.clear()  # what aging out does to this request's account
+    with pytest.raises(RequestStateError, match="no live request") as err:
+        for _ in steps:
+            pass
+    assert "cannot end request" not in str(err.value)  # the verify error, not the ending's
+    # A request whose account ages out after its last step still returns its tokens.
+    steps = engine.steps(prompt, max_tokens=3)
+    out = None
+    try:
+        while True:
+            next(steps)
+            verifier._accounts.clear()
+    except StopIteration as stop:
+        out = stop.value
+    assert out is not None and out.tokens == ref[:3]
