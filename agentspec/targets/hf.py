@@ -483,7 +483,9 @@ class HFTarget:
         if k >= points[-1]:
             # Beyond the measured range cost grows roughly linearly in k.
             hi, lo = points[-1], points[-2]
-            slope = (self._costs[hi] - self._costs[lo]) / (hi - lo)
+            # Never a falling slope: timing noise can measure c(32) below c(24), and a
+            # cost extrapolated from that would fall below zero for long drafts.
+            slope = max(0.0, (self._costs[hi] - self._costs[lo]) / (hi - lo))
             return self._costs[hi] + slope * (k - hi)
         for lo, hi in itertools.pairwise(points):
             if lo <= k <= hi:
