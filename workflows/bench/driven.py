@@ -39,7 +39,6 @@ from agentspec.types import SessionRef
 from workflows.bench.driven_sources import (
     WORKLOADS,
     DrivenSession,
-    LoggedSession,
     check_workload,
     logged_sessions,
     tool_agent_sessions,
@@ -114,12 +113,13 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
     max_prompt = max_prompt or base.max_positions
-    sessions: list[DrivenSession]
+    sessions: Sequence[DrivenSession]
     if workload == "traces":
-        sessions = list(logged_sessions(driven_turns(traces, tok, max_prompt, max_tokens,
-                                                     turns)))
+        selected = driven_turns(traces, tok, max_prompt, max_tokens, turns)
+        sessions, planned = logged_sessions(selected, max_tokens), len(selected)
     else:
-        sessions = list(tool_agent_sessions(tok, max_prompt, max_tokens))
+        # A live session ends when it ends: ``turns`` is the most (0: as many as there are).
+        sessions, planned = tool_agent_sessions(tok, max_prompt, max_tokens), turns
     eos = eos_ids(tok)
 
     def decode(ids: Sequence[int]) -> str:
@@ -140,9 +140,6 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     names = list(variants)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    # Logged runs know their turn count up front; a live session ends when it ends.
-    planned = (sum(len(s.turns) for s in sessions if isinstance(s, LoggedSession))
-               if workload == "traces" else turns)  # 0: as many as the sessions have
     sess_out: dict[int, list[int]] = {}
     report: dict[str, Any] | None = None
     for sess, i, prompt in _turns(sessions, turns, sess_out):
@@ -193,7 +190,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     return report
 
 
-def _turns(sessions: list[DrivenSession], most: int, last: dict[int, list[int]],
+def _turns(sessions: Sequence[DrivenSession], most: int, last: dict[int, list[int]],
            ) -> Iterator[tuple[DrivenSession, int, list[int]]]:
     """``(session, turn index, prompt)`` in order, each session to its end, ``most`` turns in
     all (0: no limit); ``last[id(session)]`` holds the answer of its latest turn."""

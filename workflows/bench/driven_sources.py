@@ -44,37 +44,82 @@ class DrivenSession(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class LoggedRequest:
+    """One driven turn: the logged prompt as token ids (no chat rendering, no tools).
+
+    The vLLM bench's ``run_concurrent`` sends ``prompt_ids`` as they are; the other fields
+    are those of a workload request (no stop strings: the answer ends at EOS or
+    ``max_tokens``).
+    """
+
+    prompt_ids: list[int]
+    max_tokens: int
+    turn_index: int
+    messages: tuple[dict[str, Any], ...] = ()
+    tools: None = None
+    stop: tuple[str, ...] = ()
+    prefix: str = ""
+
+
 @dataclass
 class LoggedSession:
-    """A logged run's turns ``turns`` (indexes into ``run.turns``), in order."""
+    """A logged run as a chain of its selected turns; the answers do not change the next
+    prompt (the logged history goes on with the logged answer).
 
-    run: ReplaySession
-    turns: list[int]
-    _next: int = 0
+    ``agentspec drive`` asks it for prompts (:meth:`next_prompt`), the vLLM bench for
+    requests (:meth:`next_request`).
+
+    Attributes:
+        session: The tokenised run.
+        turn_indices: Its selected turns, in order.
+        max_tokens: Budget of every answer (in the requests).
+        served: Turns handed out so far.
+    """
+
+    session: ReplaySession
+    turn_indices: list[int]
+    max_tokens: int = 64
+    served: int = field(default=0)
 
     @property
     def name(self) -> str:
-        return self.run.name
+        return self.session.name
 
     @property
     def ref(self) -> SessionRef:
-        return self.run.ref
+        return self.session.ref
+
+    def _next_turn(self) -> int | None:
+        """The next selected turn's index (advancing), or ``None`` after the last."""
+        if self.served >= len(self.turn_indices):
+            return None
+        self.served += 1
+        return self.turn_indices[self.served - 1]
 
     def next_prompt(self, last_output: Sequence[int] | None) -> list[int] | None:
-        if self._next >= len(self.turns):
+        i = self._next_turn()
+        return None if i is None else self.session.turns[i].prompt
+
+    def next_request(self, last: str | None) -> LoggedRequest | None:
+        """The next logged turn as a request (``last``, the model's previous answer, is not
+        used), or ``None`` after the last."""
+        del last
+        i = self._next_turn()
+        if i is None:
             return None
-        self._next += 1
-        return self.run.turns[self.turns[self._next - 1]].prompt
+        return LoggedRequest(list(self.session.turns[i].prompt), self.max_tokens, i)
 
 
-def logged_sessions(selected: Sequence[tuple[ReplaySession, int]]) -> list[LoggedSession]:
+def logged_sessions(selected: Sequence[tuple[ReplaySession, int]],
+                    max_tokens: int = 64) -> list[LoggedSession]:
     """Group :func:`~workflows.bench.driven.driven_turns`' ``(run, turn)`` pairs by run,
     keeping file order."""
     out: list[LoggedSession] = []
     for run, i in selected:
-        if not out or out[-1].run is not run:
-            out.append(LoggedSession(run, []))
-        out[-1].turns.append(i)
+        if not out or out[-1].session is not run:
+            out.append(LoggedSession(run, [], max_tokens))
+        out[-1].turn_indices.append(i)
     return out
 
 

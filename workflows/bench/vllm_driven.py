@@ -18,59 +18,15 @@ tenant-scoped session cache indexes) -- the content that can make the two propos
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentspec.types import SessionRef
 from workflows.bench.driven import driven_turns
-from workflows.replay.logs import PACKAGED_TRACES, ReplaySession
+from workflows.bench.driven_sources import LoggedSession, logged_sessions
+from workflows.replay.logs import PACKAGED_TRACES
 
 WORKLOAD = "traces"
-
-
-@dataclass(frozen=True)
-class LoggedRequest:
-    """One driven turn: the logged prompt as token ids (no chat rendering, no tools).
-
-    ``run_concurrent`` sends ``prompt_ids`` as they are; the other fields are those of a
-    workload request (no stop strings: the answer ends at EOS or ``max_tokens``).
-    """
-
-    prompt_ids: list[int]
-    max_tokens: int
-    turn_index: int
-    messages: tuple[dict[str, Any], ...] = ()
-    tools: None = None
-    stop: tuple[str, ...] = ()
-    prefix: str = ""
-
-
-@dataclass
-class LoggedSession:
-    """A logged run as a chain of requests; the answers do not change the next prompt.
-
-    Attributes:
-        session: The tokenised run.
-        turn_indices: Its selected turns, in order.
-        max_tokens: Budget of every answer.
-        served: Requests handed out so far.
-    """
-
-    session: ReplaySession
-    turn_indices: list[int]
-    max_tokens: int
-    served: int = field(default=0)
-
-    def next_request(self, last: str | None) -> LoggedRequest | None:
-        """The next logged turn (``last``, the model's previous answer, is not used: the
-        logged history goes on with the logged answer), or ``None`` after the last."""
-        del last
-        if self.served >= len(self.turn_indices):
-            return None
-        i = self.turn_indices[self.served]
-        self.served += 1
-        return LoggedRequest(list(self.session.turns[i].prompt), self.max_tokens, i)
 
 
 def driven_sessions(
@@ -86,13 +42,8 @@ def driven_sessions(
         BenchmarkError: no logged turn fits ``max_prompt``.
         TraceFormatError: see :func:`workflows.replay.logs.load_sessions`.
     """
-    selected = driven_turns(traces, tokenizer, max_prompt, max_tokens, turns)
-    chains: list[LoggedSession] = []
-    for sess, i in selected:
-        if not chains or chains[-1].session is not sess:
-            chains.append(LoggedSession(sess, [], max_tokens))
-        chains[-1].turn_indices.append(i)
-    return chains
+    return logged_sessions(driven_turns(traces, tokenizer, max_prompt, max_tokens, turns),
+                           max_tokens)
 
 
 def driven_jobs(chains: Sequence[LoggedSession],
