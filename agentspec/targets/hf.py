@@ -121,7 +121,7 @@ class HFTarget:
         self._scope: str | None = None
         self._batch_rows: list[list[int]] | None = None
         self._tree_tokens: list[int] | None = None
-        self._reusable: bool | None = None  # every cache layer a plain DynamicLayer
+        self._reusable: bool | None = None  # every cache layer full attention (reusable_layers)
         self.reused_tokens = 0  # prompt tokens the latest prefill() did not feed
         self._n_body: int | None = None
         norm = getattr(getattr(model, "model", None), "norm", None)
