@@ -3,6 +3,9 @@ agent, every variant's output identical, reuse reading what the session already 
 
 from __future__ import annotations
 
+import pytest
+
+from agentspec.errors import BenchmarkError
 from agentspec.targets.hf import HFTarget
 from workflows.bench.driven import run
 
@@ -22,6 +25,14 @@ def test_logged_runs_reuse_their_history_with_identical_output(
     for name in ("plain", "suffix"):
         assert second["methods"][name]["cached_tokens"] == 0
     assert report["settings"]["max_prompt"] == 1400
+    for r in rows:
+        for name, m in r["methods"].items():
+            assert m["accepted_tokens"] <= m["draft_tokens"]
+            # Each forward commits its accepted draft tokens plus one of its own (the last
+            # may be cut by max_tokens).
+            assert m["generated"] <= m["forwards"] + m["accepted_tokens"]
+            if name.startswith("plain"):
+                assert m["draft_tokens"] == 0 and m["forwards"] == m["generated"]
 
 
 def test_the_live_tool_agent_reuses_the_models_own_answers(embedded_target: HFTarget) -> None:
@@ -41,3 +52,8 @@ def test_the_live_tool_agent_reuses_the_models_own_answers(embedded_target: HFTa
     firsts = [r for r in rows if r["turn"] == 0]
     for r in firsts[1:]:
         assert r["methods"]["plain+reuse"]["cached_tokens"] > 0
+
+
+def test_unknown_methods_are_refused_before_any_turn(embedded_target: HFTarget) -> None:
+    with pytest.raises(BenchmarkError, match="suffix_chain"):  # the message lists them
+        run(["plain", "nope"], target=embedded_target, progress=False)

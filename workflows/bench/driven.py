@@ -47,8 +47,12 @@ from workflows.bench.methods import method_spec
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 
 METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
+# Also accepted (not run by default): the session cache with its draft trees forced off
+# (the best index's chain) or on, to see what trees cost over long agent contexts.
+EXTRA_METHODS = ("suffix_chain", "suffix_tree")
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
-          "arctic_suffix": "arctic"}
+          "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
+          "suffix_tree": "default, tree drafts"}
 
 
 def _spec(method: str, max_draft: int) -> AgentSpec:
@@ -107,8 +111,9 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     if max_prompt < 0:
         raise BenchmarkError(f"max_prompt must be >= 0 (0: the model's window), got {max_prompt}")
     for m in methods:
-        if m not in METHODS:
-            raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if m not in METHODS + EXTRA_METHODS:
+            raise BenchmarkError(
+                f"unknown method {m!r}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     check_workload(workload)
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
@@ -164,6 +169,10 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
                 "latency_s": round(st.total_s, 4),
                 "generated": st.generated_tokens,
                 "forwards": st.forwards,
+                # Draft tokens verified and accepted: over a long context every verified
+                # draft token costs attention over the whole cache, hit or miss.
+                "draft_tokens": sum(x.draft_len for x in st.steps),
+                "accepted_tokens": sum(x.accepted for x in st.steps),
             }
         ref_tokens = outs[names[0]]
         row["identical"] = all(o == ref_tokens for o in outs.values())
@@ -274,9 +283,12 @@ def add_drive_parser(sub: Any) -> None:
     """The ``agentspec drive`` sub-command."""
     p = sub.add_parser(
         "drive", help="drive live agent sessions from logged agent runs (prefix reuse bench)",
-        description="Every logged run becomes a live session; the model answers each "
-                    "assistant turn from the logged history. Methods with prefix KV reuse "
-                    "on and off, interleaved turn by turn; TTFT, decode tokens/s, latency.")
+        description="Agent sessions driven live: with --workload traces every logged run "
+                    "becomes a session and the model answers each assistant turn from the "
+                    "logged history; with --workload tool_agent the live tool agent's "
+                    "sessions run, the model's own answers in their history. Methods with "
+                    "prefix KV reuse on and off, interleaved turn by turn; TTFT, decode "
+                    "tokens/s, turn latency.")
     p.add_argument("traces", nargs="*", default=[str(PACKAGED_TRACES)],
                    help="SWE-agent .traj / JSONL files or folders (default: the packaged "
                         "SWE-agent trajectories)")
@@ -286,7 +298,8 @@ def add_drive_parser(sub: Any) -> None:
                         "model's own answers (default: traces)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, each run with reuse on and off (default: "
-                        f"{','.join(METHODS)})")
+                        f"{','.join(METHODS)}; also {', '.join(EXTRA_METHODS)}: the "
+                        f"default with draft trees forced off / on)")
     p.add_argument("--model", default=None,
                    help="shipped model name (default: the embedded model; see `agentspec "
                         "models`) or a local Hugging Face folder")
