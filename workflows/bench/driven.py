@@ -50,6 +50,7 @@ METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 # Also accepted (not run by default): the session cache with its draft trees forced off
 # (the best index's chain) or on, to see what trees cost over long agent contexts.
 EXTRA_METHODS = ("suffix_chain", "suffix_tree")
+ALL_METHODS = METHODS + EXTRA_METHODS
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
           "suffix_tree": "default, tree drafts"}
@@ -111,9 +112,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     if max_prompt < 0:
         raise BenchmarkError(f"max_prompt must be >= 0 (0: the model's window), got {max_prompt}")
     for m in methods:
-        if m not in METHODS + EXTRA_METHODS:
-            raise BenchmarkError(
-                f"unknown method {m!r}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
+        if m not in ALL_METHODS:
+            raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
     check_workload(workload)
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     tok = base.tokenizer
