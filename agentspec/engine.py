@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from agentspec.drafters.gate import DraftGate
 from agentspec.errors import ConfigError, DraftError, PromptTooLongError, RequestStateError
 from agentspec.interfaces import (
     BatchTarget,
@@ -93,13 +94,15 @@ class Step:
         result: What the verifier committed.
         draft_len: Draft tokens verified (the chosen draft's, for multi-draft steps).
         source: The drafter that produced the verified draft (``"none"``: plain step).
-        draft_s: Seconds spent drafting.
+        draft_s: Seconds spent drafting (and gating).
+        offered: Draft tokens the drafter offered, before the draft gate cut them.
     """
 
     result: VerifyResult
     draft_len: int
     source: str
     draft_s: float
+    offered: int = 0
 
 
 @dataclass
@@ -189,6 +192,7 @@ class SpeculativeDecoder:
         decode: Decode | None = None,
         eos_token_ids: Sequence[int] = (),
         config: EngineConfig | None = None,
+        gate: DraftGate | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -196,6 +200,9 @@ class SpeculativeDecoder:
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
         self.config = config or EngineConfig()
+        # Cuts or skips drafts not worth their forward at the request's context length
+        # (agentspec.drafters.gate); None: every draft is verified as drafted.
+        self.gate = gate
 
     def generate(
         self,
@@ -342,6 +349,8 @@ class SpeculativeDecoder:
                 t2 = time.perf_counter()
                 if learner is not None:
                     learner.observe(ctx, result)
+                if self.gate is not None:
+                    self.gate.observe(ctx, result)
                 block, finish = checker.cut(generated, result.tokens)
                 generated.extend(block)
                 context.extend(block)
@@ -354,7 +363,7 @@ class SpeculativeDecoder:
                 stats.regret += result.regret
                 stats.steps.append(
                     StepStats(step.source, step.draft_len, result.num_accepted, len(block),
-                              step.draft_s, t2 - t0 - step.draft_s)
+                              step.draft_s, t2 - t0 - step.draft_s, step.offered)
                 )
                 yield list(generated)
             if learner is not None:
@@ -363,6 +372,8 @@ class SpeculativeDecoder:
             stats.total_s = time.perf_counter() - t_start
             return Generation(generated, checker.final_text(generated), finish, stats)
         finally:
+            if self.gate is not None:
+                self.gate.end_request(rid)
             # Request state kept between steps (the ASD account) is released however the
             # request stops: finished, failed, or abandoned by its consumer.
             for part in self._request_parts():
@@ -400,9 +411,15 @@ class SpeculativeDecoder:
         between calls.
         """
         t0 = time.perf_counter()
+        draft = self._propose(ctx, max_draft)
+        offered = len(draft.tokens)
+        if self.gate is not None and offered:  # verify what is worth its forward here
+            draft = self.gate.cut(ctx, draft)
+            if len(draft.tokens) < self.config.min_draft:
+                draft = Draft(source="none")
         # Row 0 of the verify logits predicts output position len(generated): keyed
         # (seeded) verification draws each row's noise by its position.
-        draft = replace(self._propose(ctx, max_draft), position=len(ctx.generated))
+        draft = replace(draft, position=len(ctx.generated))
         draft_s = time.perf_counter() - t0
         pending = ctx.tokens[-1]
         if grammar is not None:  # cut at the first forbidden token; trees -> one branch
@@ -423,7 +440,7 @@ class SpeculativeDecoder:
             self.target.rollback(len(draft.tokens) - result.num_accepted)
         if grammar is not None:
             grammar.commit(result)
-        return Step(result, len(draft.tokens), draft.source, draft_s)
+        return Step(result, len(draft.tokens), draft.source, draft_s, offered)
 
     def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
         """Raise for an empty prompt, ``max_tokens < 1`` or a request past the context window.

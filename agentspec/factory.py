@@ -10,7 +10,9 @@ Every field of the spec that is accepted is read here:
 
 * ``drafting.method / max_draft / scope / draft_model / tree / model_max / hvd_policy``
   pick and configure the drafter (:func:`build_drafter`);
-* ``drafting.max_draft / min_draft`` configure the loop (:func:`engine_config`);
+* ``drafting.max_draft / min_draft`` configure the loop (:func:`engine_config`), and
+  ``drafting.draft_gate`` (:attr:`AgentSpec.gated_drafts`) gives it a draft gate priced by
+  the target's c(k, L) (:mod:`agentspec.drafters.gate`);
 * ``verifier.*`` picks the verifier (:func:`agentspec.verifiers.build_verifier`), and
   ``verifier.sampler="multi_draft"`` with ``num_drafts=K > 1`` the multi-draft loop
   (:class:`~agentspec.multi_engine.MultiDraftDecoder`), drafting K i.i.d. drafts from the
@@ -23,10 +25,18 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
+from agentspec.drafters.gate import DraftGate
 from agentspec.drafters.multi import IIDDrafts
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.interfaces import BatchTarget, Drafter, Target, TurnStore, Verifier
+from agentspec.interfaces import (
+    BatchTarget,
+    ContextCostTarget,
+    Drafter,
+    Target,
+    TurnStore,
+    Verifier,
+)
 from agentspec.multi_engine import MultiDraftDecoder
 from agentspec.spec import AgentSpec
 from agentspec.verifiers import MultiDraftVerifier, build_verifier
@@ -145,7 +155,10 @@ def build_engine(
             num_drafts=v.num_drafts,
             decode=decode, eos_token_ids=eos_token_ids, config=engine_config(spec),
         )
+    gate = None
+    if drafter is not None and spec.gated_drafts and isinstance(target, ContextCostTarget):
+        gate = DraftGate(target.context_cost)
     return SpeculativeDecoder(
         target, drafter, verifier or build_verifier(v, ledger), decode=decode,
-        eos_token_ids=eos_token_ids, config=engine_config(spec),
+        eos_token_ids=eos_token_ids, config=engine_config(spec), gate=gate,
     )

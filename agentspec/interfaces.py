@@ -84,6 +84,17 @@ class Target(ServedModel, Protocol):
 
 
 @runtime_checkable
+class ContextCostTarget(Protocol):
+    """A target that knows what a forward costs at a given context length: the draft gate
+    (:mod:`agentspec.drafters.gate`) prices drafts with it."""
+
+    def context_cost(self, k: int, context: int) -> float:
+        """Seconds of one forward over ``k`` new tokens on a cache of ``context``
+        positions, ``c(k, L)``."""
+        ...
+
+
+@runtime_checkable
 class ModelTarget(Target, Protocol):
     """A target running an in-process transformers model: drafters built from its own
     weights (the distilled drafter, an EAGLE head) and tokenizer-aware parts need it."""

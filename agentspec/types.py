@@ -299,6 +299,7 @@ class StepStats:
     committed: int
     draft_s: float
     verify_s: float
+    offered: int = 0  # draft tokens offered before the draft gate cut them
 
 
 @dataclass

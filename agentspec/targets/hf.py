@@ -9,8 +9,7 @@ divergence is measured rather than promised.
 from __future__ import annotations
 
 import inspect
-import itertools
-import json
+import logging
 import os
 import platform
 import time
@@ -23,13 +22,12 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
-from agentspec.targets import attention
+from agentspec.targets import attention, costs
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 
-# Draft lengths at which c(k) is measured; others are interpolated linearly.
-_COST_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+_log = logging.getLogger(__name__)
 
 #: Tokens per forward when a prompt's tail is fed after reused KV. One forward over the
 #: whole tail attends every new token to every new token (a full [tail, cached + tail]
@@ -103,6 +101,7 @@ class HFTarget:
         self.device = device
         self._cache: Any = None
         self._costs: dict[int, float] | None = None
+        self._context_costs: dict[int, dict[int, float]] | None = None
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -479,19 +478,18 @@ class HFTarget:
             raise ConfigError(f"verify_cost needs k >= 1, got {k}")
         if self._costs is None:
             self._costs = self._load_or_measure_costs()
-        points = sorted(self._costs)
-        if k >= points[-1]:
-            # Beyond the measured range cost grows roughly linearly in k.
-            hi, lo = points[-1], points[-2]
-            # Never a falling slope: timing noise can measure c(32) below c(24), and a
-            # cost extrapolated from that would fall below zero for long drafts.
-            slope = max(0.0, (self._costs[hi] - self._costs[lo]) / (hi - lo))
-            return self._costs[hi] + slope * (k - hi)
-        for lo, hi in itertools.pairwise(points):
-            if lo <= k <= hi:
-                w = (k - lo) / (hi - lo)
-                return (1 - w) * self._costs[lo] + w * self._costs[hi]
-        return self._costs[points[0]]
+        return costs.interpolate(self._costs, k)
+
+    def context_cost(self, k: int, context: int) -> float:
+        """c(k, L): measured seconds of one forward over ``k`` new tokens on a cache of
+        ``context`` positions (:mod:`agentspec.targets.costs`). The long-context curve is
+        measured on first use (~10-20 s on 2 CPU cores for the embedded model) and cached
+        beside :meth:`verify_cost`'s."""
+        if k < 1 or context < 0:
+            raise ConfigError(f"context_cost needs k >= 1 and context >= 0, got {k}, {context}")
+        if self._context_costs is None:
+            self._context_costs = self._load_or_measure_long()
+        return costs.at_context(self._context_costs, k, context)
 
     def cost_curve(self) -> dict[int, float]:
         """The measured c(k) points (seconds), measuring them if needed."""
@@ -510,21 +508,38 @@ class HFTarget:
 
     def _load_or_measure_costs(self) -> dict[int, float]:
         path = self._cost_file()
-        try:
-            data = json.loads(path.read_text())
-            costs = {int(k): float(v) for k, v in data["costs"].items()}
-            if set(costs) == set(_COST_POINTS):
-                return costs
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # absent or corrupt: measure again
-        costs = self.measure_costs()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"costs": costs, "torch": torch.__version__}, indent=1))
-        tmp.replace(path)
-        return costs
+        data = costs.read_file(path)
+        curve = costs.parse_curve(data.get("costs"))
+        if curve is not None:
+            return curve
+        # Absent or corrupt: measure again.
+        curve = self.measure_costs(context=costs.short_context(self.max_positions))
+        costs.write_file(path, {**data, "costs": curve, "torch": torch.__version__})
+        return curve
 
-    def measure_costs(self, context: int = 500, repeats: int = 5) -> dict[int, float]:
+    def _load_or_measure_long(self) -> dict[int, dict[int, float]]:
+        """``{context: curve}``: the base curve and, where the window allows, the long one."""
+        curves = {costs.short_context(self.max_positions): self.cost_curve()}
+        ctx = costs.long_context(self.max_positions)
+        if ctx is None:
+            return curves
+        path = self._cost_file()
+        data = costs.read_file(path)
+        long = data.get("long")
+        curve = None
+        if isinstance(long, dict) and long.get("context") == ctx:
+            curve = costs.parse_curve(long.get("costs"))
+        if curve is None:
+            _log.info("measuring %s's verify cost at %d cached positions (once per machine)",
+                      self.name, ctx)
+            curve = self.measure_costs(context=ctx, repeats=3)
+            data["long"] = {"context": ctx, "costs": curve}
+            costs.write_file(path, data)
+        curves[ctx] = curve
+        return curves
+
+    def measure_costs(self, context: int = costs.SHORT_CONTEXT,
+                      repeats: int = 5) -> dict[int, float]:
         """Time one forward over k tokens on a ``context``-token cache (median of repeats)."""
         gen = torch.Generator().manual_seed(0)
         ctx = torch.randint(0, self._vocab, (context,), generator=gen).tolist()
@@ -532,8 +547,8 @@ class HFTarget:
         self.prefill(ctx)
         self.score(ctx[:32])  # warm-up
         self.rollback(32)
-        costs: dict[int, float] = {}
-        for k in _COST_POINTS:
+        curve: dict[int, float] = {}
+        for k in costs.COST_POINTS:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -542,6 +557,6 @@ class HFTarget:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 self.rollback(k)
-            costs[k] = sorted(times)[len(times) // 2]
+            curve[k] = sorted(times)[len(times) // 2]
         self._cache, self._ids, self._scope = saved
-        return costs
+        return curve

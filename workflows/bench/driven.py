@@ -48,12 +48,13 @@ from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 
 METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 # Also accepted (not run by default): the session cache with its draft trees forced off
-# (the best index's chain) or on, to see what trees cost over long agent contexts.
-EXTRA_METHODS = ("suffix_chain", "suffix_tree")
+# (the best index's chain) or on, to see what trees cost over long agent contexts, and
+# without its draft gate (every draft verified as drafted).
+EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated")
 ALL_METHODS = METHODS + EXTRA_METHODS
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
-          "suffix_tree": "default, tree drafts"}
+          "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate"}
 
 
 def _spec(method: str, max_draft: int) -> AgentSpec:
@@ -172,6 +173,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
                 # Draft tokens verified and accepted: over a long context every verified
                 # draft token costs attention over the whole cache, hit or miss.
                 "draft_tokens": sum(x.draft_len for x in st.steps),
+                # Offered by the drafter, before the draft gate cut or skipped them.
+                "offered_tokens": sum(x.offered for x in st.steps),
                 "accepted_tokens": sum(x.accepted for x in st.steps),
             }
         ref_tokens = outs[names[0]]

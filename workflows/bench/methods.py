@@ -108,6 +108,9 @@ def method_spec(name: str, max_draft: int = 16, min_draft: int = 1) -> AgentSpec
         # with tree attention) or off (the best index's chain); plain `suffix` is the
         # product default, trees for greedy requests.
         drafting.update(method="suffix", tree=name == "suffix_tree")
+    elif name == "suffix_ungated":
+        # The session cache without its draft gate: every draft verified as drafted.
+        drafting.update(method="suffix", draft_gate=False)
     elif name.startswith("asd_b") and name[5:].isdigit():
         # ASD: the session cache with budgeted approximate greedy verification (g = 0.5,
         # M = 1, B caps each request).
@@ -276,7 +279,7 @@ METHODS: dict[str, Factory] = {
     "hf_prompt_lookup": lambda c: HFGenerateMethod("hf_prompt_lookup", c, 10, record=False),
     "oracle": lambda c: EngineMethod("oracle", c, c.spec("plain"), drafter=c.oracle),
     **{name: _engine(name) for name in (*_DRAFT_METHODS, *_HVD_POLICIES, "model",
-                                        "suffix_tree", "suffix_chain")},
+                                        "suffix_tree", "suffix_chain", "suffix_ungated")},
     # ASD at regret budgets B = 1, 4, 16 logits per request (approximate: identical_to_greedy
     # is expected to be false where exceptions were taken).
     **{f"asd_b{b}": _engine(f"asd_b{b}") for b in (1, 4, 16)},
