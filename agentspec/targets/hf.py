@@ -22,7 +22,7 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
-from agentspec.targets import attention, costs
+from agentspec.targets import attention, costs, linear
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
@@ -131,6 +131,7 @@ class HFTarget:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
             attention.install(model)
+            linear.install(model)  # a short draft's few rows read each weight once
 
     @classmethod
     def load(cls, config: TargetConfig | None = None) -> HFTarget:

@@ -20,7 +20,9 @@ from tests.conftest import TINY_VOCAB
 
 class _StockTarget(HFTarget):
     """The target as it was: transformers' DynamicCache (torch.cat per append) and its
-    SDPA attention with repeat_kv."""
+    SDPA attention with repeat_kv. (Both targets keep the small-rows linear forward of
+    ``agentspec.targets.linear``: this test is about the cache and the attention; that
+    forward has its own test.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
