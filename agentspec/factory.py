@@ -45,7 +45,8 @@ from agentspec.verifiers.keyed import KeyedVerifier
 if TYPE_CHECKING:
     from agentspec.storage.ledger import RegretLedger
 
-__all__ = ["build_drafter", "build_engine", "engine_config", "suffix_config", "suffix_drafter"]
+__all__ = ["build_drafter", "build_engine", "build_gate", "engine_config", "suffix_config",
+           "suffix_drafter"]
 
 
 def suffix_config(spec: AgentSpec) -> SuffixConfig:
@@ -102,6 +103,16 @@ def build_drafter(
     raise ConfigError(f"drafting method {d.method!r} is not available in this build")
 
 
+def build_gate(spec: AgentSpec, target: Target, drafter: Drafter | None) -> DraftGate | None:
+    """The draft gate ``spec`` asks for (``None``: drafts verified as drafted), priced by
+    the target's c(k, L) as the machine is loaded now. Its calibration spans requests, so
+    whoever serves many requests keeps one per drafting policy
+    (:meth:`agentspec.runtime.Runtime.gate_for`)."""
+    if drafter is not None and spec.gated_drafts and isinstance(target, ContextCostTarget):
+        return DraftGate(target.context_cost)
+    return None
+
+
 def engine_config(spec: AgentSpec) -> EngineConfig:
     """The decode loop's settings for ``spec`` (longest and shortest verified draft)."""
     d = spec.drafting
@@ -117,6 +128,7 @@ def build_engine(
     eos_token_ids: Sequence[int] = (),
     verifier: Verifier | None = None,
     ledger: RegretLedger | None = None,
+    gate: DraftGate | None = None,
 ) -> SpeculativeDecoder:
     """A decoder for ``spec`` over ``target`` drafting with ``drafter``.
 
@@ -132,6 +144,8 @@ def build_engine(
         eos_token_ids: Tokens that end a request.
         verifier: Overrides the verifier ``spec.verifier`` asks for (single-draft only).
         ledger: The regret ledger of ``mode="budgeted"`` (default: the process-wide one).
+        gate: The draft gate to use, when the caller keeps one across requests (the
+            runtime does, per drafting policy); default: a new one from :func:`build_gate`.
 
     Raises:
         ConfigError: multi-draft decoding on a target that cannot score batches, or
@@ -155,9 +169,8 @@ def build_engine(
             num_drafts=v.num_drafts,
             decode=decode, eos_token_ids=eos_token_ids, config=engine_config(spec),
         )
-    gate = None
-    if drafter is not None and spec.gated_drafts and isinstance(target, ContextCostTarget):
-        gate = DraftGate(target.context_cost)
+    if gate is None:
+        gate = build_gate(spec, target, drafter)
     return SpeculativeDecoder(
         target, drafter, verifier or build_verifier(v, ledger), decode=decode,
         eos_token_ids=eos_token_ids, config=engine_config(spec), gate=gate,

@@ -20,8 +20,9 @@ from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar
+from agentspec.drafters.gate import DraftGate
 from agentspec.engine import Generation, SpeculativeDecoder
-from agentspec.factory import build_drafter, build_engine
+from agentspec.factory import build_drafter, build_engine, build_gate
 from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.sessions import StoreConfig, persist_turn
@@ -63,6 +64,9 @@ class Runtime:
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[tuple[DraftingPolicy, bool], Drafter | None] = {}
+        # One draft gate per drafting policy, as drafters: its per-tenant calibration spans
+        # requests (a gate built per request would start every request knowing nothing).
+        self._gates: dict[tuple[DraftingPolicy, bool], DraftGate | None] = {}
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
         self.store_errors = 0  # finished turns that could not be persisted (logged)
@@ -121,10 +125,18 @@ class Runtime:
             self._drafters[key] = build_drafter(spec, self.target, self.store)
         return self._drafters[key]
 
+    def gate_for(self, spec: AgentSpec) -> DraftGate | None:
+        """The (shared) draft gate of ``spec``'s drafting policy (``None``: ungated)."""
+        key = (spec.drafting, spec.tree_drafts)
+        if key not in self._gates:
+            self._gates[key] = build_gate(spec, self.target, self.drafter_for(spec))
+        return self._gates[key]
+
     def engine_for(self, spec: AgentSpec) -> SpeculativeDecoder:
-        """A decoder configured by ``spec`` (drafters are shared across calls)."""
+        """A decoder configured by ``spec``; its drafter and draft gate are the runtime's,
+        shared across calls (their state spans requests)."""
         return build_engine(spec, self.target, self.drafter_for(spec), decode=self.decode,
-                            eos_token_ids=self.eos_ids)
+                            eos_token_ids=self.eos_ids, gate=self.gate_for(spec))
 
     def prompt_ids(
         self,

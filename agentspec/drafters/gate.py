@@ -137,7 +137,9 @@ class DraftGate:
     """Cuts or skips cache drafts by expected committed tokens per second (module doc).
 
     Args:
-        cost: c(k, L) in seconds (``HFTarget.context_cost``).
+        cost: c(k, L) in seconds (``HFTarget.context_cost``: the measured curve as the
+            target's timed forwards correct it, so the gate prices drafts by the machine as
+            loaded now). It must not measure anything: it is read inside requests.
         config: Calibration settings.
     """
 
@@ -146,9 +148,6 @@ class DraftGate:
     def __init__(self, cost: ContextCost, config: GateConfig | None = None) -> None:
         self.cost = cost
         self.config = config or GateConfig()
-        # Read c(k, L) now: a target measures its curves on first use (seconds, once per
-        # machine), which must not land inside a request's first decode step.
-        cost(1, 1 << 20)
         self._tenants: OrderedDict[str, _Calibration] = OrderedDict()
         self._pending: dict[object, list[_Pending]] = {}  # request id -> its drafts
         self._lock = threading.Lock()

@@ -8,12 +8,13 @@ divergence is measured rather than promised.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from agentspec.models import agentspec_home, load_model_and_tokenizer
 from agentspec.targets import attention, costs, linear
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
+from agentspec.targets.live_cost import LiveCost
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 
 _log = logging.getLogger(__name__)
@@ -52,6 +54,10 @@ class TargetConfig:
         prefix_spill_bytes: Budget of the store's disk copies under
             ``$AGENTSPEC_HOME/prefix-kv/<model>-<dtype>`` (a session's prefix KV survives a
             restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
+        measure_costs: Measure the verify cost curves the draft gate prices drafts with
+            when the model loads, if ``$AGENTSPEC_HOME/costs`` does not hold them yet (once
+            per machine, a progress line); ``False`` leaves the gate on its safe prior
+            (short drafts only) until forwards have been timed.
     """
 
     model: str | None = None
@@ -59,6 +65,7 @@ class TargetConfig:
     device: str = "auto"
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
     prefix_spill_bytes: int = 0
+    measure_costs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
@@ -102,6 +109,8 @@ class HFTarget:
         self._cache: Any = None
         self._costs: dict[int, float] | None = None
         self._context_costs: dict[int, dict[int, float]] | None = None
+        self._live: LiveCost | None = None  # built on first use (reads the cost file)
+        self._measuring = False  # measure_costs() runs: its forwards are not observed
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -144,8 +153,11 @@ class HFTarget:
             # KV is only valid for the model (and dtype) that computed it: a folder each.
             folder = f"{files.name}-{config.dtype}".replace("/", "_")
             spill = KVSpill(agentspec_home() / "prefix-kv" / folder, config.prefix_spill_bytes)
-        return cls(model, tok, files.name, config.dtype, device,
-                   PrefixCache(config.prefix_cache_bytes, spill=spill))
+        target = cls(model, tok, files.name, config.dtype, device,
+                     PrefixCache(config.prefix_cache_bytes, spill=spill))
+        if config.measure_costs:  # here, not inside the first request
+            target.measure_cost_curves(progress=True)
+        return target
 
     def _keep_features(self, _module: Any, _inputs: Any, output: Any) -> None:
         self._features = output if isinstance(output, torch.Tensor) else None
@@ -330,7 +342,8 @@ class HFTarget:
         if not tokens:
             raise ConfigError("score() needs at least one token")
         self.check_fits(self.num_cached + len(tokens))
-        logits = self._forward(tokens)
+        with self._timed(len(tokens)):
+            logits = self._forward(tokens)
         if self._ids is not None:
             self._ids.extend(tokens)
         return logits
@@ -352,7 +365,7 @@ class HFTarget:
         self.check_fits(self.num_cached + len(rows[0]))
         self._cache.batch_repeat_interleave(len(rows))
         ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with self._timed(ids.numel()), torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
         self._batch_rows = [list(r) for r in rows]
         return out.logits.float().cpu()  # [K, n, V] (on the CPU, as _forward)
@@ -392,7 +405,7 @@ class HFTarget:
         mask[0, 0, :, past:].masked_fill_(~anc, torch.finfo(dtype).min)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
         pos = torch.tensor([[past + d for d in depth]], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with self._timed(n), torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask.to(self.device),
                              position_ids=pos, use_cache=True,
                              **{self._cache_kw: self._cache})
@@ -481,22 +494,68 @@ class HFTarget:
             self._costs = self._load_or_measure_costs()
         return costs.interpolate(self._costs, k)
 
+    @property
+    def live_cost(self) -> LiveCost:
+        """The cost of a forward on the machine as loaded now (:mod:`.live_cost`): its prior
+        is the measured curves when the cost file has them (never measured here: a request
+        must not wait for a measurement), else the safe prior until
+        :meth:`measure_cost_curves` runs."""
+        if self._live is None:
+            stored = self._stored_curves()
+            self._live = LiveCost(threads=torch.get_num_threads())
+            if stored is not None:
+                self._context_costs = stored
+                self._live.set_prior(self._measured_cost, measured=True)
+        return self._live
+
     def context_cost(self, k: int, context: int) -> float:
-        """c(k, L): measured seconds of one forward over ``k`` new tokens on a cache of
-        ``context`` positions (:mod:`agentspec.targets.costs`). The long-context curve is
-        measured on first use (~10-20 s on 2 CPU cores for the embedded model) and cached
-        beside :meth:`verify_cost`'s."""
+        """c(k, L) now: seconds of one forward over ``k`` new tokens on a cache of
+        ``context`` positions, the measured curves (:mod:`agentspec.targets.costs`)
+        corrected by the forwards timed since (:attr:`live_cost`). Never measures."""
         if k < 1 or context < 0:
             raise ConfigError(f"context_cost needs k >= 1 and context >= 0, got {k}, {context}")
-        if self._context_costs is None:
-            self._context_costs = self._load_or_measure_long()
-        return costs.at_context(self._context_costs, k, context)
+        return self.live_cost.cost(k, context)
 
     def cost_curve(self) -> dict[int, float]:
         """The measured c(k) points (seconds), measuring them if needed."""
         if self._costs is None:
             self._costs = self._load_or_measure_costs()
         return dict(self._costs)
+
+    def measure_cost_curves(self, progress: bool = False) -> dict[int, dict[int, float]]:
+        """Measure the cost curves the cost file lacks (once per machine: seconds, with a
+        progress line when ``progress``) and make them :attr:`live_cost`'s prior. Runtimes
+        call it when the model loads or the server starts, never inside a request."""
+        if self._context_costs is None or not self.live_cost.measured:
+            self._context_costs = self._load_or_measure_long(progress)
+            self.live_cost.set_prior(self._measured_cost, measured=True)
+        return dict(self._context_costs)
+
+    def _measured_cost(self, k: int, context: int) -> float:
+        assert self._context_costs is not None
+        return costs.at_context(self._context_costs, k, context)
+
+    @contextlib.contextmanager
+    def _timed(self, rows: int) -> Iterator[None]:
+        """Run a verify forward over ``rows`` tokens with the thread count
+        :attr:`live_cost` picks for it, and tell it what the forward took."""
+        if self._measuring:
+            yield
+            return
+        live, context = self.live_cost, self.num_cached
+        threads = live.threads_for(rows, context) if self.device == "cpu" else live.threads
+        switch = threads != live.threads
+        if switch:
+            torch.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            yield
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            live.observe(rows, context, threads, time.perf_counter() - t0)
+        finally:
+            if switch:
+                torch.set_num_threads(live.threads)
 
     # -- cost measurement ----------------------------------------------------------------
 
@@ -507,57 +566,112 @@ class HFTarget:
         safe = f"{self.name}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
         return agentspec_home() / "costs" / f"{safe}.json"
 
-    def _load_or_measure_costs(self) -> dict[int, float]:
+    def _load_or_measure_costs(self, bar: Any = None) -> dict[int, float]:
         path = self._cost_file()
         data = costs.read_file(path)
         curve = costs.parse_curve(data.get("costs"))
         if curve is not None:
             return curve
         # Absent or corrupt: measure again.
-        curve = self.measure_costs(context=costs.short_context(self.max_positions))
+        curve = self.measure_costs(context=costs.short_context(self.max_positions), bar=bar)
         costs.write_file(path, {**data, "costs": curve, "torch": torch.__version__})
         return curve
 
-    def _load_or_measure_long(self) -> dict[int, dict[int, float]]:
-        """``{context: curve}``: the base curve and, where the window allows, the long one."""
-        curves = {costs.short_context(self.max_positions): self.cost_curve()}
+    def _stored_curves(self) -> dict[int, dict[int, float]] | None:
+        """``{context: curve}`` from the cost file when it holds every curve this model
+        uses, else ``None`` (nothing is measured)."""
+        data = costs.read_file(self._cost_file())
+        base = costs.parse_curve(data.get("costs"))
+        if base is None:
+            return None
+        curves = {costs.short_context(self.max_positions): base}
         ctx = costs.long_context(self.max_positions)
-        if ctx is None:
-            return curves
-        path = self._cost_file()
-        data = costs.read_file(path)
-        long = data.get("long")
-        curve = None
-        if isinstance(long, dict) and long.get("context") == ctx:
-            curve = costs.parse_curve(long.get("costs"))
-        if curve is None:
-            _log.info("measuring %s's verify cost at %d cached positions (once per machine)",
-                      self.name, ctx)
-            curve = self.measure_costs(context=ctx, repeats=3)
-            data["long"] = {"context": ctx, "costs": curve}
-            costs.write_file(path, data)
-        curves[ctx] = curve
+        if ctx is not None:
+            long = data.get("long")
+            curve = (costs.parse_curve(long.get("costs"))
+                     if isinstance(long, dict) and long.get("context") == ctx else None)
+            if curve is None:
+                return None
+            curves[ctx] = curve
         return curves
 
+    def _load_or_measure_long(self, progress: bool = False) -> dict[int, dict[int, float]]:
+        """``{context: curve}``: the base curve and, where the window allows, the long one."""
+        stored = self._stored_curves()
+        if stored is not None:
+            return stored
+        ctx = costs.long_context(self.max_positions)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(costs.COST_POINTS) * (1 if ctx is None else 2), leave=False,
+                       desc=f"measuring {self.name}'s verify cost (once per machine)")
+        try:
+            curves = {costs.short_context(self.max_positions): self._load_or_measure_costs(bar)}
+            if self._costs is None:
+                self._costs = curves[costs.short_context(self.max_positions)]
+            if ctx is None:
+                return curves
+            path = self._cost_file()
+            data = costs.read_file(path)
+            long = data.get("long")
+            curve = None
+            if isinstance(long, dict) and long.get("context") == ctx:
+                curve = costs.parse_curve(long.get("costs"))
+            if curve is None:
+                _log.info("measuring %s's verify cost at %d cached positions (once per "
+                          "machine)", self.name, ctx)
+                curve = self.measure_costs(context=ctx, repeats=3, bar=bar)
+                data["long"] = {"context": ctx, "costs": curve}
+                costs.write_file(path, data)
+            curves[ctx] = curve
+            return curves
+        finally:
+            if bar is not None:
+                bar.close()
+
     def measure_costs(self, context: int = costs.SHORT_CONTEXT,
-                      repeats: int = 5) -> dict[int, float]:
-        """Time one forward over k tokens on a ``context``-token cache (median of repeats)."""
+                      repeats: int = 5, bar: Any = None) -> dict[int, float]:
+        """Time one forward over k tokens on a ``context``-position cache (median of
+        repeats). The cache holds random keys and values (attention costs the same
+        whatever they are), so no prompt of ``context`` tokens is prefilled first."""
         gen = torch.Generator().manual_seed(0)
-        ctx = torch.randint(0, self._vocab, (context,), generator=gen).tolist()
-        saved = self._cache, self._ids, self._scope
-        self.prefill(ctx)
-        self.score(ctx[:32])  # warm-up
-        self.rollback(32)
-        curve: dict[int, float] = {}
-        for k in costs.COST_POINTS:
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                self.score(ctx[:k])
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                self.rollback(k)
-            curve[k] = sorted(times)[len(times) // 2]
-        self._cache, self._ids, self._scope = saved
+        ids = torch.randint(0, self._vocab, (costs.COST_POINTS[-1],), generator=gen).tolist()
+        saved = self._cache, self._ids, self._scope, self._features
+        self._measuring = True
+        try:
+            self._cache, self._ids = self._random_cache(context, gen), None
+            self.score(ids)  # warm-up
+            self.rollback(len(ids))
+            curve: dict[int, float] = {}
+            for k in costs.COST_POINTS:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    self.score(ids[:k])
+                    if self.device == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    self.rollback(k)
+                curve[k] = sorted(times)[len(times) // 2]
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            self._measuring = False
+            self._cache, self._ids, self._scope, self._features = saved
         return curve
+
+    def _random_cache(self, context: int, gen: torch.Generator) -> Any:
+        """A KV cache of ``context`` positions of random keys and values (for timing): the
+        layers' shapes are read from a one-token forward."""
+        self._cache = self._new_cache()
+        self._forward([0], last_only=True)
+        shapes = [(layer.keys.shape, layer.keys.dtype) for layer in self._cache.layers]
+        cache = self._new_cache()
+        for i, (shape, dtype) in enumerate(shapes):
+            full = (*shape[:-2], context, shape[-1])
+            keys = torch.randn(full, generator=gen).to(dtype=dtype, device=self.device)
+            values = torch.randn(full, generator=gen).to(dtype=dtype, device=self.device)
+            cache.update(keys, values, i)
+        return cache

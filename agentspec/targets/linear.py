@@ -10,6 +10,9 @@ transposed product (2.2 / 2.7x at 6 / 8 rows, no gain from 12 rows on); the 576 
 MLP projections 1.5-1.9x faster at 2-4 rows, slower at 6-12. So a one-token verify (2
 rows) cost more than a three-token one (4 rows), and a short draft cost far more than a
 plain step: the draft gate (``agentspec/drafters/gate.py``) prices drafts by this curve.
+On Qwen2.5-Coder-0.5B's shapes (896 x 151,936 output layer, 896 x 4,864 MLP) the
+transposed product wins on the output layer at every row count up to 33, quiet or with
+another process on the CPU, and on the MLP up to 8 rows (BENCHMARKS.md, "short verifies").
 
 :func:`install` gives each ``nn.Linear`` of a CPU model a forward that takes the transposed
 product for 2..:data:`BODY_ROWS` rows (2..:data:`WIDE_ROWS` for layers with at least
@@ -27,8 +30,8 @@ from typing import Any
 
 import torch
 
-BODY_ROWS = 4  # most rows for which the transposed product wins on the body's projections
-WIDE_ROWS = 8  # ... on an output layer of at least WIDE_OUT features
+BODY_ROWS = 8  # most rows for which the transposed product wins on the body's projections
+WIDE_ROWS = 64  # ... on an output layer of at least WIDE_OUT features
 WIDE_OUT = 8192
 
 

@@ -182,20 +182,32 @@ def test_context_curves_interpolate_in_k_and_context() -> None:
 def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
-    saved = tiny_target._costs, tiny_target._context_costs
-    tiny_target._costs = tiny_target._context_costs = None
+    saved = tiny_target._costs, tiny_target._context_costs, tiny_target._live
+    tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
     try:
+        # Nothing measured yet: the safe prior, and context_cost never measures (it is
+        # read inside requests).
+        assert not tiny_target.live_cost.measured
+        assert tiny_target.context_cost(32, 300) > tiny_target.context_cost(4, 300) > 0
+        assert not (tmp_path / "costs").exists()
+        curves = tiny_target.measure_cost_curves()
+        assert tiny_target.live_cost.measured
         c1, c32 = tiny_target.context_cost(1, 300), tiny_target.context_cost(32, 300)
         assert c1 > 0 and c32 > 0
         # The tiny model's 512-position window has room for the base curve only.
-        assert list(tiny_target._context_costs) == [costs.short_context(512)]
+        assert list(curves) == [costs.short_context(512)]
         (path,) = (tmp_path / "costs").glob("*.json")
         data = json.loads(path.read_text())
         assert costs.parse_curve(data["costs"]) is not None and "long" not in data
-        path.write_text("{not json")  # corrupt: measured again, never an error
-        tiny_target._costs = tiny_target._context_costs = None
-        assert tiny_target.context_cost(4, 100) > 0
+        # A new target (or process) reads the stored curve without measuring.
+        tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
+        assert tiny_target.live_cost.measured
+        path.write_text("{not json")  # corrupt: the safe prior, measured again on demand
+        tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
+        assert not tiny_target.live_cost.measured and tiny_target.context_cost(4, 100) > 0
+        tiny_target.measure_cost_curves()
+        assert tiny_target.live_cost.measured
         with pytest.raises(AgentSpecError):
             tiny_target.context_cost(0, 10)
     finally:
-        tiny_target._costs, tiny_target._context_costs = saved
+        tiny_target._costs, tiny_target._context_costs, tiny_target._live = saved

@@ -78,7 +78,7 @@ def test_logged_runs_are_driven_in_file_order_up_to_the_turn_count() -> None:
     a, b = _session("a", [10, 20, 30]), _session("b", [5, 6])
     sessions = logged_sessions([(a, 0), (a, 1), (b, 0), (b, 1)])
     assert [(s.name, s.turn_indices) for s in sessions] == [("a", [0, 1]), ("b", [0, 1])]
-    got = [(s.name, i, len(p)) for s, i, p in _turns(list(sessions), 3, {})]
+    got = [(s.name, i, len(t.prompt)) for s, i, t in _turns(list(sessions), 3, {})]
     assert got == [("a", 0, 10), ("a", 1, 20), ("b", 0, 5)]
 
 

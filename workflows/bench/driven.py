@@ -11,7 +11,12 @@ Methods are agentspec's decoding methods (``plain``, ``prompt_lookup``, ``suffix
 product's default drafter), ``arctic_suffix``), each with prefix KV reuse on and off. All
 share one loaded model; each variant has a target wrapper of its own (its own live KV and,
 with reuse, its own prefix store of ``prefix_cache_bytes``) and its own tenant, so no
-variant reads another's KV or drafts. Parts are built by the product's factory.
+variant reads another's KV or drafts. Every turn goes through the product's own path:
+``Runtime.chat(messages, tools, session=...)`` on a :class:`~agentspec.runtime.Runtime` per
+variant (the runtime renders the messages and tools with the chat template, builds engines
+as it builds them for the server, keeps its drafters and draft gates across requests).
+The model loads as a server's does, measuring the cost curves on a fresh
+``AGENTSPEC_HOME`` (the report's ``load_s``), never inside a request.
 
 Per turn it records prompt tokens, reused (cached) tokens, time to first token (prefill plus
 the first decode step), decode tokens/s (after the first token) and the turn latency, and
@@ -30,15 +35,15 @@ from statistics import mean
 from typing import Any
 
 from agentspec.errors import BenchmarkError
-from agentspec.factory import build_drafter, build_engine
+from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
-from agentspec.tokens import eos_ids
 from agentspec.types import SessionRef
 from workflows.bench.driven_sources import (
     WORKLOADS,
     DrivenSession,
+    DrivenTurn,
     check_workload,
     logged_sessions,
     tool_agent_sessions,
@@ -116,7 +121,9 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         if m not in ALL_METHODS:
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
     check_workload(workload)
+    t_load = time.perf_counter()  # a fresh AGENTSPEC_HOME measures the cost curves here
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
+    load_s = time.perf_counter() - t_load
     tok = base.tokenizer
     max_prompt = max_prompt or base.max_positions
     sessions: Sequence[DrivenSession]
@@ -126,12 +133,10 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     else:
         # A live session ends when it ends: ``turns`` is the most (0: as many as there are).
         sessions, planned = tool_agent_sessions(tok, max_prompt, max_tokens), turns
-    eos = eos_ids(tok)
-
-    def decode(ids: Sequence[int]) -> str:
-        return str(tok.decode(list(ids), skip_special_tokens=True))
-
-    variants: dict[str, Any] = {}
+    # The product path: one Runtime per variant (its own target wrapper over the shared
+    # weights, its own prefix store, drafters and draft gates, no session store), each turn
+    # one Runtime.chat call with the turn's messages and tools, as a framework sends it.
+    variants: dict[str, Runtime] = {}
     stores: dict[str, PrefixCache] = {}
     for m in methods:
         spec = _spec(m, max_draft)
@@ -141,33 +146,36 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
             tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store)
             if store is not None:
                 stores[name] = store
-            variants[name] = build_engine(spec, tgt, build_drafter(spec, tgt, None),
-                                          decode=decode, eos_token_ids=eos)
+            variants[name] = Runtime(tgt, store=None, default_spec=spec)
     names = list(variants)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     sess_out: dict[int, list[int]] = {}
     report: dict[str, Any] | None = None
-    for sess, i, prompt in _turns(sessions, turns, sess_out):
+    for sess, i, turn in _turns(sessions, turns, sess_out):
         k = len(rows)
         shift = k % len(names)
         outs: dict[str, list[int]] = {}
-        row: dict[str, Any] = {"session": sess.name, "turn": i, "prompt_tokens": len(prompt),
-                               "methods": {}}
+        row: dict[str, Any] = {"session": sess.name, "turn": i, "methods": {}}
         for name in names[shift:] + names[:shift]:  # rotate: nobody always runs first
             ref = SessionRef(sess.ref.session_id, tenant=f"drive-{name.replace('+', '-')}")
-            gen = variants[name].generate(prompt, max_tokens=max_tokens, session=ref)
-            st = gen.stats
+            t0 = time.perf_counter()
+            res = variants[name].chat(list(turn.messages), turn.tools, session=ref,
+                                      max_tokens=max_tokens, assistant_prefix=turn.prefix)
+            wall = time.perf_counter() - t0
+            st = res.stats
+            row["prompt_tokens"] = res.prompt_tokens
             first = st.steps[0].draft_s + st.steps[0].verify_s if st.steps else 0.0
             decode_s = st.total_s - st.prefill_s
-            outs[name] = gen.tokens
+            outs[name] = res.tokens
             row["methods"][name] = {
                 "cached_tokens": st.cached_prompt_tokens,
-                "prefilled_tokens": len(prompt) - st.cached_prompt_tokens,
+                "prefilled_tokens": res.prompt_tokens - st.cached_prompt_tokens,
                 "ttft_s": round(st.prefill_s + first, 4),
                 "prefill_s": round(st.prefill_s, 4),
                 "decode_tok_s": round(st.generated_tokens / decode_s, 3) if decode_s else 0.0,
-                "latency_s": round(st.total_s, 4),
+                # The whole call a framework waits for: rendering, prefill, decoding, parsing.
+                "latency_s": round(wall, 4),
                 "generated": st.generated_tokens,
                 "forwards": st.forwards,
                 # Draft tokens verified and accepted: over a long context every verified
@@ -184,12 +192,13 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         if progress:
             lat = " ".join(f"{n}={row['methods'][n]['latency_s']:.1f}s" for n in names)
             print(f"[{k + 1}/{planned} {time.perf_counter() - t_start:.0f}s] "
-                  f"{sess.name[:40]} turn {i} ({len(prompt)} tok): {lat}",
+                  f"{sess.name[:40]} turn {i} ({row['prompt_tokens']} tok): {lat}",
                   file=sys.stderr, flush=True)
         report = summarize(rows, names, stores, dict(
             workload=workload, max_tokens=max_tokens, max_prompt=max_prompt,
             turns=planned, max_draft=max_draft, prefix_cache_bytes=prefix_cache_bytes,
-            model=base.name, dtype=base.dtype,
+            model=base.name, dtype=base.dtype, load_s=round(load_s, 2),
+            path="Runtime.chat",
             traces=[str(t) for t in traces] if workload == "traces" else []))
         if out is not None:  # after every turn: a long run leaves partial results
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -203,17 +212,17 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
 
 
 def _turns(sessions: Sequence[DrivenSession], most: int, last: dict[int, list[int]],
-           ) -> Iterator[tuple[DrivenSession, int, list[int]]]:
-    """``(session, turn index, prompt)`` in order, each session to its end, ``most`` turns in
+           ) -> Iterator[tuple[DrivenSession, int, DrivenTurn]]:
+    """``(session, turn index, turn)`` in order, each session to its end, ``most`` turns in
     all (0: no limit); ``last[id(session)]`` holds the answer of its latest turn."""
     done = 0
     for sess in sessions:
         i = 0
         while not most or done < most:
-            prompt = sess.next_prompt(last.get(id(sess)))
-            if prompt is None:
+            turn = sess.next_turn(last.get(id(sess)))
+            if turn is None:
                 break
-            yield sess, i, prompt
+            yield sess, i, turn
             i, done = i + 1, done + 1
 
 

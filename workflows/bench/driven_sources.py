@@ -25,6 +25,23 @@ from workflows.workloads.tool_agent import ToolAgentWorkload, ToolSession
 WORKLOADS = ("traces", "tool_agent")
 
 
+@dataclass(frozen=True)
+class DrivenTurn:
+    """One assistant turn of a driven session, as token ids and as a chat request.
+
+    Attributes:
+        prompt: The rendered prompt (what the engine-level path feeds).
+        messages: The history an agent framework sends a chat API for this turn.
+        tools: The tool schemas it sends with them.
+        prefix: Text that opens the answer (the tool agent's forced opening).
+    """
+
+    prompt: list[int]
+    messages: tuple[dict[str, Any], ...] = ()
+    tools: list[dict[str, Any]] | None = None
+    prefix: str = ""
+
+
 class DrivenSession(Protocol):
     """One live session of a driven bench."""
 
@@ -38,9 +55,9 @@ class DrivenSession(Protocol):
         """The session the requests belong to (the bench gives each variant a tenant)."""
         ...
 
-    def next_prompt(self, last_output: Sequence[int] | None) -> list[int] | None:
-        """The prompt of the next assistant turn, given the tokens the model wrote on the
-        previous one (``None`` on the first turn); ``None`` when the session is over."""
+    def next_turn(self, last_output: Sequence[int] | None) -> DrivenTurn | None:
+        """The next assistant turn, given the tokens the model wrote on the previous one
+        (``None`` on the first turn); ``None`` when the session is over."""
         ...
 
 
@@ -97,9 +114,12 @@ class LoggedSession:
         self.served += 1
         return self.turn_indices[self.served - 1]
 
-    def next_prompt(self, last_output: Sequence[int] | None) -> list[int] | None:
+    def next_turn(self, last_output: Sequence[int] | None) -> DrivenTurn | None:
         i = self._next_turn()
-        return None if i is None else self.session.turns[i].prompt
+        if i is None:
+            return None
+        turn = self.session.turns[i]
+        return DrivenTurn(turn.prompt, turn.messages, self.session.tools)
 
     def next_request(self, last: str | None) -> LoggedRequest | None:
         """The next logged turn as a request (``last``, the model's previous answer, is not
@@ -150,7 +170,7 @@ class ToolAgentSession:
     def name(self) -> str:
         return self.session.session_id
 
-    def next_prompt(self, last_output: Sequence[int] | None) -> list[int] | None:
+    def next_turn(self, last_output: Sequence[int] | None) -> DrivenTurn | None:
         if self._done:
             return None
         text = None
@@ -168,7 +188,8 @@ class ToolAgentSession:
             self._done = True
             return None
         self._prefix = req.prefix
-        return prompt
+        return DrivenTurn(prompt, tuple(req.messages), list(req.tools) if req.tools else None,
+                          req.prefix)
 
 
 def tool_agent_sessions(tokenizer: Any, max_prompt: int, max_tokens: int,

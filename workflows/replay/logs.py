@@ -41,10 +41,12 @@ class TraceFormatError(AgentSpecError, ValueError):
 
 @dataclass(frozen=True)
 class ReplayTurn:
-    """One assistant message as a request: the rendered prompt and the real answer."""
+    """One assistant message as a request: the rendered prompt and the real answer, and
+    the messages the prompt renders (what an agent framework sends a chat API)."""
 
     prompt: list[int]
     output: list[int]
+    messages: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ReplaySession:
     name: str
     ref: SessionRef
     turns: list[ReplayTurn]
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,7 @@ def tokenize_run(run: RawRun, tokenizer: Any, eos_ids: Iterable[int]) -> list[Re
         end = next((j + 1 for j, t in enumerate(ids) if t in eos), len(ids))
         if end:
             p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out.append(ReplayTurn(list(p_ids), list(ids[:end])))
+            out.append(ReplayTurn(list(p_ids), list(ids[:end]), tuple(turns[:i])))
     return out
 
 
@@ -237,7 +240,7 @@ def load_sessions(
                 raise TraceFormatError(f"{run.where}: {exc}") from None
             turns = tokenize_run(run, tokenizer, eos)
             if turns:
-                sessions.append(ReplaySession(run.name, ref, turns))
+                sessions.append(ReplaySession(run.name, ref, turns, run.tools))
     if not sessions:
         raise TraceFormatError(f"{', '.join(map(str, paths))}: no assistant turns to replay")
     return sessions

@@ -1,0 +1,133 @@
+"""The live cost tracker (agentspec.targets.live_cost): estimates follow the timed forwards,
+decay back to the prior, explore the other thread count, and the target and the runtime
+use it (a gate that lives across requests, one-row forwards at the process's threads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.runtime import Runtime
+from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.targets.hf import HFTarget
+from agentspec.targets.live_cost import (
+    LiveCost,
+    LiveCostConfig,
+    context_bucket,
+    row_bucket,
+    safe_prior,
+)
+from agentspec.types import SessionRef
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def linear_prior(k: int, context: int) -> float:
+    return 0.1 * (1 + 0.1 * (k - 1))
+
+
+def test_buckets() -> None:
+    assert [row_bucket(k) for k in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [
+        0, 1, 2, 2, 3, 3, 4, 4, 5, 6]
+    assert [context_bucket(c) for c in (0, 1023, 1024, 2047, 2048, 4096)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_safe_prior_allows_short_drafts_only() -> None:
+    assert safe_prior(4, 0) / safe_prior(1, 0) < 1.5
+    assert safe_prior(16, 0) / safe_prior(1, 0) > 5
+    assert safe_prior(1, 8000) > safe_prior(1, 0)
+
+
+def test_estimates_follow_observations_and_decay_back_to_the_prior() -> None:
+    clock = Clock()
+    live = LiveCost(linear_prior, threads=2, clock=clock,
+                    config=LiveCostConfig(half_life=10.0, adapt_threads=False))
+    assert live.cost(8, 3000) == pytest.approx(linear_prior(8, 3000))
+    for _ in range(50):  # the machine got busy: 8-row forwards take 3x the prior
+        live.observe(8, 3000, 2, 3 * linear_prior(8, 3000))
+    assert live.cost(8, 3000) == pytest.approx(3 * linear_prior(8, 3000), rel=0.05)
+    # A row bucket never observed starts from the next shorter observed one, whose
+    # slowdown it shares; one-row steps at another context from the observed contexts.
+    assert live.cost(16, 3000) == pytest.approx(3 * linear_prior(16, 3000), rel=0.05)
+    assert live.cost(8, 9000) == pytest.approx(linear_prior(8, 9000))
+    clock.now += 200  # 20 half-lives later the evidence is gone
+    assert live.cost(8, 3000) == pytest.approx(linear_prior(8, 3000), rel=0.01)
+
+
+def test_one_thread_is_explored_and_kept_when_it_is_cheaper() -> None:
+    clock = Clock()
+    live = LiveCost(linear_prior, threads=2, clock=clock,
+                    config=LiveCostConfig(explore_after=30.0))
+    assert live.threads_for(1, 500) == 2  # one-row forwards never change threads
+    live.observe(1, 500, 2, linear_prior(1, 500))
+    # No evidence for one thread yet: tried once.
+    assert live.threads_for(8, 500) == 1
+    live.observe(8, 500, 1, 0.5 * linear_prior(8, 500))
+    live.observe(8, 500, 2, 2.0 * linear_prior(8, 500))
+    assert live.threads_for(8, 500) == 1  # cheaper
+    assert live.cost(8, 500) == pytest.approx(live.estimate(8, 500, 1))
+    clock.now += 10
+    assert live.threads_for(8, 500) == 1
+    clock.now += 40  # the two-thread evidence aged out: tried again
+    assert live.threads_for(8, 500) == 2
+    live.observe(8, 500, 2, 0.2 * linear_prior(8, 500))  # the load went away
+    for _ in range(5):
+        live.observe(8, 500, 2, 0.2 * linear_prior(8, 500))
+    assert live.threads_for(8, 500) == 1  # one thread's evidence is stale now: re-tried
+    live.observe(8, 500, 1, 0.5 * linear_prior(8, 500))
+    assert live.threads_for(8, 500) == 2
+    single = LiveCost(linear_prior, threads=1)
+    assert single.threads_for(8, 500) == 1
+
+
+def test_config_and_copies() -> None:
+    with pytest.raises(ConfigError, match="half_life"):
+        LiveCostConfig(half_life=0)
+    with pytest.raises(ConfigError, match="threads"):
+        LiveCost(threads=0)
+    live = LiveCost(linear_prior, threads=2, measured=True)
+    live.observe(4, 100, 2, 1.0)
+    twin = copy.deepcopy(live)
+    assert twin.measured and twin.observed == 0 and live.observed == 1
+    live.set_prior(safe_prior, measured=False)
+    assert live.to_dict()["cell_weights"] == {} and not live.measured
+
+
+def test_the_target_times_its_verify_forwards(tiny_target: HFTarget) -> None:
+    live = tiny_target.live_cost
+    before = live.observed
+    threads = torch.get_num_threads()
+    tiny_target.prefill(list(range(2, 40)))
+    tiny_target.score([5])
+    tiny_target.score([6, 7, 8, 9])
+    tiny_target.rollback(3)
+    assert live.observed == before + 2
+    assert torch.get_num_threads() == threads  # restored after a one-thread forward
+    assert tiny_target.context_cost(4, 38) > 0
+
+
+def test_the_runtime_keeps_one_gate_per_policy(tiny_target: HFTarget) -> None:
+    rt = Runtime(tiny_target, store=None)
+    spec = AgentSpec()
+    gate = rt.gate_for(spec)
+    assert gate is not None and rt.gate_for(AgentSpec()) is gate
+    assert rt.engine_for(spec).gate is gate
+    assert rt.gate_for(AgentSpec(drafting=DraftingPolicy(method="none"))) is None
+    # Calibration learned in one request is there for the next one.
+    ref = SessionRef("s1", tenant="t1")
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+    for _ in range(2):  # the tiny model has no chat template: the runtime's engine
+        engine = rt.engine_for(spec)
+        engine.decode = None  # (no tokenizer either: token ids only)
+        engine.generate(prompt, max_tokens=24, session=ref)
+    assert "t1" in gate._tenants
+    assert rt.engine_for(spec).gate is gate
