@@ -299,8 +299,11 @@ def add_drive_parser(sub: Any) -> None:
                     "becomes a session and the model answers each assistant turn from the "
                     "logged history; with --workload tool_agent the live tool agent's "
                     "sessions run, the model's own answers in their history. Methods with "
-                    "prefix KV reuse on and off, interleaved turn by turn; TTFT, decode "
-                    "tokens/s, turn latency.")
+                    "prefix KV reuse on and off, interleaved turn by turn, each turn one "
+                    "Runtime.chat call (messages and tools, as a framework sends them) on a "
+                    "runtime per variant; TTFT, decode tokens/s, turn latency. The model "
+                    "loads as a server's does (cost curves measured on a fresh "
+                    "AGENTSPEC_HOME: the report's load_s).")
     p.add_argument("traces", nargs="*", default=[str(PACKAGED_TRACES)],
                    help="SWE-agent .traj / JSONL files or folders (default: the packaged "
                         "SWE-agent trajectories)")
