@@ -544,8 +544,8 @@ class HFTarget:
             return
         live, context = self.live_cost, self.num_cached
         threads = live.threads_for(rows, context) if self.device == "cpu" else live.threads
-        switch = threads != live.threads
-        if switch:
+        before = torch.get_num_threads()
+        if threads != before:
             torch.set_num_threads(threads)
         try:
             t0 = time.perf_counter()
@@ -554,8 +554,8 @@ class HFTarget:
                 torch.cuda.synchronize()
             live.observe(rows, context, threads, time.perf_counter() - t0)
         finally:
-            if switch:
-                torch.set_num_threads(live.threads)
+            if threads != before:
+                torch.set_num_threads(before)
 
     # -- cost measurement ----------------------------------------------------------------
 

@@ -131,3 +131,30 @@ def test_the_runtime_keeps_one_gate_per_policy(tiny_target: HFTarget) -> None:
         engine.generate(prompt, max_tokens=24, session=ref)
     assert "t1" in gate._tenants
     assert rt.engine_for(spec).gate is gate
+
+
+def test_one_thread_verify_forwards_stay_lossless(tiny_model: torch.nn.Module) -> None:
+    from agentspec.drafters import SuffixConfig, SuffixDrafter
+    from agentspec.engine import SpeculativeDecoder
+
+    threads = torch.get_num_threads()
+    target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu")
+    live = LiveCost(linear_prior, threads=threads)
+    target._live = live
+    # Two-thread verify forwards look slow everywhere: every multi-row forward runs with
+    # one thread (when the process has more), one-row steps with the process's threads.
+    for k in (2, 4, 8, 16, 32, 64):
+        for _ in range(20):
+            live.observe(k, 10, live.threads, 50 * linear_prior(k, 10))
+    assert live.threads_for(8, 10) == 1  # (trivially so in a one-thread process)
+    plain = SpeculativeDecoder(target, None, eos_token_ids=[1])
+    spec = SpeculativeDecoder(target, SuffixDrafter(SuffixConfig()), eos_token_ids=[1])
+    torch.manual_seed(0)
+    base = torch.randint(2, 90, (12,)).tolist()
+    for i in range(4):
+        prompt = base * 3 + [i + 2]
+        want = plain.generate(prompt, 40).tokens
+        got = spec.generate(prompt, 40, session=SessionRef("lossless"))
+        assert got.tokens == want
+        assert any(s.draft_len > 0 for s in got.stats.steps)
+    assert torch.get_num_threads() == threads
