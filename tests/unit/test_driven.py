@@ -55,6 +55,19 @@ def test_summary_shares_and_ratios() -> None:
     assert report["later_turns_latency_speedup_vs_plain"]["suffix+reuse_latency_vs_plain"] == 8.0
     table = format_table(report)
     assert "| default (suffix) | on |" in table and "2.75x" in table and "8.00x" in table
+    assert report["baseline"] == "plain" and s["forwards"] == 24
+
+
+def test_reuse_on_only_compares_against_plain_with_reuse() -> None:
+    rows = [_row("a", 0, 1000, {"plain+reuse": 0, "suffix+reuse": 0},
+                 {"plain+reuse": 9.0, "suffix+reuse": 9.0}),
+            _row("a", 1, 1200, {"plain+reuse": 1000, "suffix+reuse": 1000},
+                 {"plain+reuse": 6.0, "suffix+reuse": 2.0})]
+    report = summarize(rows, ["plain+reuse", "suffix+reuse"], {}, {"turns": 2})
+    assert report["baseline"] == "plain+reuse"
+    later = report["later_turns_latency_speedup_vs_plain"]
+    assert later["suffix+reuse_latency_vs_plain"] == 3.0
+    assert "vs plain + reuse" in format_table(report)
 
 
 def test_bad_settings_are_refused_before_loading_a_model() -> None:
@@ -85,5 +98,7 @@ def test_logged_runs_are_driven_in_file_order_up_to_the_turn_count() -> None:
 def test_unknown_driven_workload_is_refused() -> None:
     with pytest.raises(BenchmarkError, match="unknown driven workload 'chat'"):
         run(workload="chat")
+    with pytest.raises(BenchmarkError, match="reuse"):
+        run(reuse="sometimes")
     args = console.build_parser().parse_args(["drive", "--workload", "tool_agent"])
     assert args.workload == "tool_agent" and args.max_prompt == 0

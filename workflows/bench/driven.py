@@ -57,6 +57,8 @@ METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 # without its draft gate (every draft verified as drafted).
 EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated")
 ALL_METHODS = METHODS + EXTRA_METHODS
+#: ``--reuse``: which prefix-reuse variants of every method run.
+REUSE = {"both": (True, False), "on": (True,), "off": (False,)}
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
           "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate"}
@@ -101,7 +103,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         max_tokens: int = 64, max_prompt: int = 0, turns: int = 30, max_draft: int = 32,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
         out: Path | None = None, progress: bool = True, model: str | None = None,
-        workload: str = "traces") -> dict[str, Any]:
+        workload: str = "traces", reuse: str = "both") -> dict[str, Any]:
     """Drive the sessions with every method, reuse on and off; return the report.
 
     ``workload`` ``"traces"`` drives the logged runs in ``traces``; ``"tool_agent"`` the
@@ -121,6 +123,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         if m not in ALL_METHODS:
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
     check_workload(workload)
+    if reuse not in REUSE:
+        raise BenchmarkError(f"reuse must be one of {', '.join(REUSE)}, got {reuse!r}")
     t_load = time.perf_counter()  # a fresh AGENTSPEC_HOME measures the cost curves here
     base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
     load_s = time.perf_counter() - t_load
@@ -140,9 +144,9 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     stores: dict[str, PrefixCache] = {}
     for m in methods:
         spec = _spec(m, max_draft)
-        for reuse in (True, False):
-            name = f"{m}+reuse" if reuse else m
-            store = PrefixCache(prefix_cache_bytes) if reuse else None
+        for on in REUSE[reuse]:
+            name = f"{m}+reuse" if on else m
+            store = PrefixCache(prefix_cache_bytes) if on else None
             tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store)
             if store is not None:
                 stores[name] = store
@@ -238,6 +242,7 @@ def summarize(rows: list[dict[str, Any]], names: list[str], stores: dict[str, Pr
             "turns": len(per),
             "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
             "cached_tokens": sum(p["cached_tokens"] for p in per),
+            "forwards": sum(p["forwards"] for p in per),
             "mean_ttft_s": round(mean(p["ttft_s"] for p in per), 4),
             "mean_prefill_s": round(mean(p["prefill_s"] for p in per), 4),
             "mean_decode_tok_s": round(mean(p["decode_tok_s"] for p in per), 3),
@@ -253,24 +258,28 @@ def summarize(rows: list[dict[str, Any]], names: list[str], stores: dict[str, Pr
             "later_turns_over_15pct": sum(s > 0.15 for s in share),
             "store": stores[n].to_dict() if n in stores else None,
         }
-    base = summary.get("plain", {}).get("mean_latency_s")
+    # Ratios against plain decoding without reuse, or with it when only that side ran.
+    baseline = "plain" if "plain" in summary else "plain+reuse"
+    base = summary.get(baseline, {}).get("mean_latency_s")
     ratios = {f"{n}_latency_vs_plain": round(base / s["mean_latency_s"], 3)
               for n, s in summary.items() if base and s["mean_latency_s"]}
-    base_later = summary.get("plain", {}).get("later_turns_mean_latency_s")
+    base_later = summary.get(baseline, {}).get("later_turns_mean_latency_s")
     later_ratios = {f"{n}_latency_vs_plain": round(base_later / s["later_turns_mean_latency_s"], 3)
                     for n, s in summary.items()
                     if base_later and s["later_turns_mean_latency_s"]}
-    return {"settings": settings, "summary": summary, "latency_speedup_vs_plain": ratios,
+    return {"settings": settings, "summary": summary, "baseline": baseline,
+            "latency_speedup_vs_plain": ratios,
             "later_turns_latency_speedup_vs_plain": later_ratios,
             "all_identical": all(r["identical"] for r in rows), "rows": rows}
 
 
 def format_table(report: dict[str, Any]) -> str:
     """Markdown: one row per variant."""
+    vs = "vs plain" + (" + reuse" if report.get("baseline") == "plain+reuse" else "")
     lines = ["| method | reuse | mean TTFT s | mean prefill s | decode tok/s | mean turn s | "
-             "vs plain | later turns: mean s | vs plain | cached / prompt tokens | "
+             f"{vs} | later turns: mean s | {vs} | forwards | cached / prompt tokens | "
              "prefilled share, later turns (max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, s in report["summary"].items():
         m, reuse = (n[: -len("+reuse")], "on") if n.endswith("+reuse") else (n, "off")
         speed = report["latency_speedup_vs_plain"].get(f"{n}_latency_vs_plain", 0.0)
@@ -281,7 +290,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {LABELS.get(m, m)} | {reuse} | {s['mean_ttft_s']:.2f} | "
             f"{s['mean_prefill_s']:.2f} | {s['mean_decode_tok_s']:.1f} | "
             f"{s['mean_latency_s']:.2f} | {speed:.2f}x | {later_s:.2f} | {later_speed:.2f}x | "
-            f"{s['cached_tokens']:,} / {s['prompt_tokens']:,} | "
+            f"{s.get('forwards', 0):,} | {s['cached_tokens']:,} / {s['prompt_tokens']:,} | "
             f"{s['later_turns_prefilled_share']:.1%} ({s['later_turns_max_prefilled_share']:.1%}) |"
         )
     ident = "identical" if report["all_identical"] else "DIFFERENT"
@@ -326,6 +335,9 @@ def add_drive_parser(sub: Any) -> None:
     p.add_argument("--max-draft", type=int, default=32)
     p.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
                    help="prefix store budget per reuse variant (MiB)")
+    p.add_argument("--reuse", choices=tuple(REUSE), default="both",
+                   help="prefix-reuse variants of every method: both (default), on or off "
+                        "(one side only halves a long run)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
 
 
@@ -334,6 +346,6 @@ def run_drive_cli(args: argparse.Namespace) -> int:
     report = run([m.strip() for m in args.methods.split(",") if m.strip()], args.traces,
                  args.max_tokens, args.max_prompt, args.turns, args.max_draft,
                  args.prefix_cache_mb << 20, out=args.out, model=args.model,
-                 workload=args.workload)
+                 workload=args.workload, reuse=args.reuse)
     print(format_table(report))
     return 0
