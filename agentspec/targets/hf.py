@@ -16,7 +16,6 @@ import platform
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
 from agentspec.targets import attention, costs, linear
+from agentspec.targets.cost_curves import CostCurves
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.live_cost import LiveCost
@@ -107,13 +107,14 @@ class HFTarget:
         self.dtype = dtype
         self.device = device
         self._cache: Any = None
-        self._costs: dict[int, float] | None = None
-        self._context_costs: dict[int, dict[int, float]] | None = None
         self._live: LiveCost | None = None  # built on first use (reads the cost file)
         self._measuring = False  # measure_costs() runs: its forwards are not observed
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        # The measured c(k, L) curves and their file (measured at load, never in a request).
+        self.curves = CostCurves(name, self._cost_key(), self.max_positions,
+                                 lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar))
         # Final-norm hidden states of the latest forward ([B, n, H]), captured by a hook on
         # the final norm (it runs on every position even when only the last logits are
         # kept). Holding a reference costs nothing; only last_features() copies.
@@ -490,9 +491,7 @@ class HFTarget:
         """
         if k < 1:
             raise ConfigError(f"verify_cost needs k >= 1, got {k}")
-        if self._costs is None:
-            self._costs = self._load_or_measure_costs()
-        return costs.interpolate(self._costs, k)
+        return costs.interpolate(self.curves.base_curve(), k)
 
     @property
     def live_cost(self) -> LiveCost:
@@ -501,10 +500,8 @@ class HFTarget:
         must not wait for a measurement), else the safe prior until
         :meth:`measure_cost_curves` runs."""
         if self._live is None:
-            stored = self._stored_curves()
             self._live = LiveCost(threads=torch.get_num_threads())
-            if stored is not None:
-                self._context_costs = stored
+            if self.curves.stored() is not None:
                 self._live.set_prior(self._measured_cost, measured=True)
         return self._live
 
@@ -518,22 +515,22 @@ class HFTarget:
 
     def cost_curve(self) -> dict[int, float]:
         """The measured c(k) points (seconds), measuring them if needed."""
-        if self._costs is None:
-            self._costs = self._load_or_measure_costs()
-        return dict(self._costs)
+        return dict(self.curves.base_curve())
 
     def measure_cost_curves(self, progress: bool = False) -> dict[int, dict[int, float]]:
         """Measure the cost curves the cost file lacks (once per machine: seconds, with a
-        progress line when ``progress``) and make them :attr:`live_cost`'s prior. Runtimes
-        call it when the model loads or the server starts, never inside a request."""
-        if self._context_costs is None or not self.live_cost.measured:
-            self._context_costs = self._load_or_measure_long(progress)
+        progress line when ``progress``) and make them :attr:`live_cost`'s prior.
+        :meth:`load` calls it (so does every runtime and server, which load through it),
+        never a request."""
+        curves = self.curves.ensure(progress)
+        if not self.live_cost.measured:
             self.live_cost.set_prior(self._measured_cost, measured=True)
-        return dict(self._context_costs)
+        return dict(curves)
 
     def _measured_cost(self, k: int, context: int) -> float:
-        assert self._context_costs is not None
-        return costs.at_context(self._context_costs, k, context)
+        curves = self.curves.stored()
+        assert curves is not None  # the prior is set only once they are
+        return costs.at_context(curves, k, context)
 
     @contextlib.contextmanager
     def _timed(self, rows: int) -> Iterator[None]:
@@ -559,77 +556,11 @@ class HFTarget:
 
     # -- cost measurement ----------------------------------------------------------------
 
-    def _cost_file(self) -> Path:
+    def _cost_key(self) -> str:
         machine = f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr"
         if self.device == "cuda":
             machine = torch.cuda.get_device_name().replace(" ", "_")
-        safe = f"{self.name}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
-        return agentspec_home() / "costs" / f"{safe}.json"
-
-    def _load_or_measure_costs(self, bar: Any = None) -> dict[int, float]:
-        path = self._cost_file()
-        data = costs.read_file(path)
-        curve = costs.parse_curve(data.get("costs"))
-        if curve is not None:
-            return curve
-        # Absent or corrupt: measure again.
-        curve = self.measure_costs(context=costs.short_context(self.max_positions), bar=bar)
-        costs.write_file(path, {**data, "costs": curve, "torch": torch.__version__})
-        return curve
-
-    def _stored_curves(self) -> dict[int, dict[int, float]] | None:
-        """``{context: curve}`` from the cost file when it holds every curve this model
-        uses, else ``None`` (nothing is measured)."""
-        data = costs.read_file(self._cost_file())
-        base = costs.parse_curve(data.get("costs"))
-        if base is None:
-            return None
-        curves = {costs.short_context(self.max_positions): base}
-        ctx = costs.long_context(self.max_positions)
-        if ctx is not None:
-            long = data.get("long")
-            curve = (costs.parse_curve(long.get("costs"))
-                     if isinstance(long, dict) and long.get("context") == ctx else None)
-            if curve is None:
-                return None
-            curves[ctx] = curve
-        return curves
-
-    def _load_or_measure_long(self, progress: bool = False) -> dict[int, dict[int, float]]:
-        """``{context: curve}``: the base curve and, where the window allows, the long one."""
-        stored = self._stored_curves()
-        if stored is not None:
-            return stored
-        ctx = costs.long_context(self.max_positions)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(costs.COST_POINTS) * (1 if ctx is None else 2), leave=False,
-                       desc=f"measuring {self.name}'s verify cost (once per machine)")
-        try:
-            curves = {costs.short_context(self.max_positions): self._load_or_measure_costs(bar)}
-            if self._costs is None:
-                self._costs = curves[costs.short_context(self.max_positions)]
-            if ctx is None:
-                return curves
-            path = self._cost_file()
-            data = costs.read_file(path)
-            long = data.get("long")
-            curve = None
-            if isinstance(long, dict) and long.get("context") == ctx:
-                curve = costs.parse_curve(long.get("costs"))
-            if curve is None:
-                _log.info("measuring %s's verify cost at %d cached positions (once per "
-                          "machine)", self.name, ctx)
-                curve = self.measure_costs(context=ctx, repeats=3, bar=bar)
-                data["long"] = {"context": ctx, "costs": curve}
-                costs.write_file(path, data)
-            curves[ctx] = curve
-            return curves
-        finally:
-            if bar is not None:
-                bar.close()
+        return f"{self.name}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
 
     def measure_costs(self, context: int = costs.SHORT_CONTEXT,
                       repeats: int = 5, bar: Any = None) -> dict[int, float]:
@@ -675,3 +606,4 @@ class HFTarget:
             values = torch.randn(full, generator=gen).to(dtype=dtype, device=self.device)
             cache.update(keys, values, i)
         return cache
+

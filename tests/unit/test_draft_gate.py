@@ -15,6 +15,7 @@ from agentspec.errors import AgentSpecError
 from agentspec.factory import build_drafter, build_engine
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets import costs
+from agentspec.targets.cost_curves import CostCurves
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 from tests.conftest import TINY_VOCAB
 
@@ -182,8 +183,14 @@ def test_context_curves_interpolate_in_k_and_context() -> None:
 def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
-    saved = tiny_target._costs, tiny_target._context_costs, tiny_target._live
-    tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
+    saved = tiny_target.curves, tiny_target._live
+
+    def forget() -> None:  # a new target: nothing read from the cost file yet
+        c = tiny_target.curves
+        tiny_target.curves = CostCurves(c.name, c.key, 512, c.probe)
+        tiny_target._live = None
+
+    forget()
     try:
         # Nothing measured yet: the safe prior, and context_cost never measures (it is
         # read inside requests).
@@ -200,14 +207,14 @@ def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  
         data = json.loads(path.read_text())
         assert costs.parse_curve(data["costs"]) is not None and "long" not in data
         # A new target (or process) reads the stored curve without measuring.
-        tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
+        forget()
         assert tiny_target.live_cost.measured
         path.write_text("{not json")  # corrupt: the safe prior, measured again on demand
-        tiny_target._costs = tiny_target._context_costs = tiny_target._live = None
+        forget()
         assert not tiny_target.live_cost.measured and tiny_target.context_cost(4, 100) > 0
         tiny_target.measure_cost_curves()
         assert tiny_target.live_cost.measured
         with pytest.raises(AgentSpecError):
             tiny_target.context_cost(0, 10)
     finally:
-        tiny_target._costs, tiny_target._context_costs, tiny_target._live = saved
+        tiny_target.curves, tiny_target._live = saved

@@ -70,10 +70,11 @@ def test_cost_curve_measured_and_cached(tiny_target: HFTarget) -> None:
     costs = tiny_target.measure_costs(context=64, repeats=3)
     assert set(costs) >= {1, 4, 8, 16, 32}
     assert all(c > 0 for c in costs.values())
-    tiny_target._costs = costs  # use the measured curve for interpolation
+    saved = tiny_target.curves.base
+    tiny_target.curves.base = costs  # use the measured curve for interpolation
     assert tiny_target.verify_cost(5) == pytest.approx((costs[4] + costs[6]) / 2)
     assert tiny_target.verify_cost(40) >= costs[32] > 0
     # A noisy curve whose last point falls still extrapolates to a positive, flat cost.
-    tiny_target._costs = {**costs, 24: 2.0, 32: 1.0}
+    tiny_target.curves.base = {**costs, 24: 2.0, 32: 1.0}
     assert tiny_target.verify_cost(1000) == 1.0
-    tiny_target._costs = costs
+    tiny_target.curves.base = saved
