@@ -73,12 +73,16 @@ class LiveCostConfig:
             which one forward is run with it again (bounds what exploring costs: one forward
             per cell per this many seconds at most).
         adapt_threads: Whether multi-row forwards may run with one thread.
+        learn: Whether timed forwards are recorded (``False``: c(k, L) is the prior curve
+            and the gate's decisions do not depend on timings, e.g. to compare forward
+            counts between runs).
     """
 
     half_life: float = 30.0
     pseudo: float = 2.0
     explore_after: float = 45.0
     adapt_threads: bool = True
+    learn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("half_life", "pseudo", "explore_after"):
@@ -144,7 +148,8 @@ class LiveCost:
             self._cells.clear()
 
     def _choices(self, k: int) -> tuple[int, ...]:
-        if k < 2 or self.threads == 1 or not self.config.adapt_threads:
+        if (k < 2 or self.threads == 1 or not self.config.adapt_threads
+                or not self.config.learn):
             return (self.threads,)
         return (self.threads, 1)
 
@@ -196,7 +201,7 @@ class LiveCost:
 
     def observe(self, k: int, context: int, threads: int, seconds: float) -> None:
         """Record a timed forward over ``k`` rows at ``context`` run with ``threads``."""
-        if seconds <= 0 or k < 1:
+        if seconds <= 0 or k < 1 or not self.config.learn:
             return
         prior = self.prior(k, context)
         if prior <= 0:

@@ -21,6 +21,7 @@ from adapters.openai_server.auth import KeyRing
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
 from agentspec.storage.sessions import SessionStore
+from agentspec.targets.live_cost import LiveCost, LiveCostConfig
 from agentspec.types import SessionRef
 
 pytestmark = pytest.mark.integration
@@ -132,9 +133,19 @@ def test_sessions_warm_up_and_tenants_are_isolated(server: ServerThread, runtime
         body = raw.parse()
         return str(body.choices[0].message.content), dict(body.agentspec)  # type: ignore[attr-defined]
 
-    carol_cold, c1 = ask("key-carol")
-    carol_warm, c2 = ask("key-carol")
-    dave_cold, d1 = ask("key-dave")
+    # The draft gate prices drafts by the machine's timed forwards, shared by every tenant
+    # (it is the machine's state, not a tenant's): frozen here, so that the two cold turns
+    # meet the same prices and any difference between them could only come from Carol.
+    target = runtime.target
+    live = target.live_cost
+    target._live = LiveCost(live.prior, live.threads, LiveCostConfig(learn=False),
+                            measured=live.measured)
+    try:
+        carol_cold, c1 = ask("key-carol")
+        carol_warm, c2 = ask("key-carol")
+        dave_cold, d1 = ask("key-dave")
+    finally:
+        target._live = live
     assert carol_cold == carol_warm == dave_cold
     # Carol's second turn drafts her first from the cache: far fewer forwards.
     assert c2["forwards"] < c1["forwards"]

@@ -158,3 +158,10 @@ def test_one_thread_verify_forwards_stay_lossless(tiny_model: torch.nn.Module) -
         assert got.tokens == want
         assert any(s.draft_len > 0 for s in got.stats.steps)
     assert torch.get_num_threads() == threads
+
+
+def test_a_frozen_tracker_prices_by_the_prior_only() -> None:
+    live = LiveCost(linear_prior, threads=2, config=LiveCostConfig(learn=False))
+    live.observe(8, 500, 2, 100.0)
+    assert live.observed == 0 and live.cost(8, 500) == linear_prior(8, 500)
+    assert live.threads_for(8, 500) == 2
