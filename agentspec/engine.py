@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from agentspec.drafters.gate import DraftGate
-from agentspec.errors import ConfigError, DraftError, PromptTooLongError, RequestStateError
+from agentspec.errors import (
+    Cancelled,
+    ConfigError,
+    DraftError,
+    PromptTooLongError,
+    RequestStateError,
+)
 from agentspec.interfaces import (
     BatchTarget,
     Constraint,
@@ -167,6 +174,12 @@ class _StopChecker:
         return cut_at_stop(self.decode(tokens), self.stop)
 
 
+def _check_cancel(cancel: threading.Event | None) -> None:
+    """Raise :class:`Cancelled` once the caller set ``cancel``."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the request was cancelled")
+
+
 class SpeculativeDecoder:
     """Runs requests through a target, an optional drafter and a verifier.
 
@@ -231,18 +244,19 @@ class SpeculativeDecoder:
         session: SessionRef | None = None,
         result: list[Generation] | None = None,
         constraint: Constraint | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[str]:
         """Yield text deltas as tokens are committed; append the final
         :class:`Generation` to ``result`` when given.
 
         Text that could still turn into a stop string, or that ends inside a multi-byte
-        character, is held back until it is certain.
+        character, is held back until it is certain. ``cancel``: see :meth:`steps`.
         """
         if self.decode is None:
             raise ConfigError("streaming needs a decode function (a tokenizer)")
         checker = _StopChecker(set(), stop, self.decode, max_tokens)
         emitted = 0
-        gen = self.steps(prompt, max_tokens, stop, sampling, session, constraint)
+        gen = self.steps(prompt, max_tokens, stop, sampling, session, constraint, cancel)
         while True:
             try:
                 tokens = next(gen)
@@ -274,6 +288,7 @@ class SpeculativeDecoder:
         sampling: SamplingParams | None = None,
         session: SessionRef | None = None,
         constraint: Constraint | None = None,
+        cancel: threading.Event | None = None,
     ) -> Generator[list[int], None, Generation]:
         """The decode loop as a generator: yields all generated tokens after each step and
         returns the :class:`Generation`.
@@ -286,6 +301,10 @@ class SpeculativeDecoder:
             session: Passed to drafters (session-scoped caches).
             constraint: The request's output grammar (fresh per request): every verified
                 row is masked by it and draft tokens it forbids end the accepted prefix.
+            cancel: Set by the caller to stop the request: checked before the prefill,
+                between its chunks (passed to the target's ``prefill`` only when given),
+                and before every step. A cancelled request ends as one whose consumer
+                closed the stream: its request state is released, nothing is returned.
 
         Penalties in ``sampling`` (frequency, presence, repetition) are applied to every
         verified row with the counts of the tokens before it, draft tokens of its own
@@ -296,6 +315,7 @@ class SpeculativeDecoder:
             ConfigError: empty prompt or ``max_tokens < 1``, or a constraint given to an
                 engine that cannot honour one.
             PromptTooLongError: prompt plus ``max_tokens`` exceed the context window.
+            Cancelled: ``cancel`` was set before the request finished.
         """
         sampling = sampling or SamplingParams()
         self.check_request(prompt, max_tokens)
@@ -325,7 +345,10 @@ class SpeculativeDecoder:
             # every prompt position fed, so it turns reuse off.
             link = self._feature_link()
             scope = session.tenant if session is not None and link is None else None
-            self.target.prefill(list(prompt[:-1]), scope=scope)
+            _check_cancel(cancel)
+            # Only a caller that cancels needs a target taking `cancel` (HFTarget does).
+            self.target.prefill(list(prompt[:-1]), scope=scope,
+                                **({"cancel": cancel} if cancel is not None else {}))
             if isinstance(self.target, PrefixReuseTarget):
                 stats.cached_prompt_tokens = self.target.reused_tokens
             if link is not None:
@@ -336,6 +359,7 @@ class SpeculativeDecoder:
             generated: list[int] = []
             finish: str | None = None
             while finish is None:
+                _check_cancel(cancel)  # also right after a prefill that was one forward
                 ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid,
                                    sampling)
                 room = max_tokens - len(generated) - 1  # the verifier always adds one token

@@ -66,6 +66,12 @@ class RequestStateError(AgentSpecError):
     while live. The message names the part and the request."""
 
 
+class Cancelled(AgentSpecError):
+    """A request was cancelled by its caller (a ``cancel`` event was set) before it
+    finished: raised between prefill chunks and decode steps, so a client that left stops
+    costing forwards. Nothing of the request is stored."""
+
+
 class GrammarError(ConfigError):
     """A grammar (JSON schema, response_format, tool schema) that cannot constrain
     decoding, or a constrained decode that left the grammar."""

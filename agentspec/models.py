@@ -16,11 +16,13 @@ that folder (~1-2 s for SmolLM2). Any local Hugging Face model folder works in t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,42 @@ _MARKER = "agentspec-conversion.json"
 def agentspec_home() -> Path:
     """The cache folder: ``$AGENTSPEC_HOME`` or ``~/.cache/agentspec``."""
     return Path(os.environ.get("AGENTSPEC_HOME", Path.home() / ".cache" / "agentspec"))
+
+
+def private_dir(path: str | os.PathLike[str], tighten: bool = False) -> Path:
+    """Create ``path`` and its missing parents readable by their owner only (0700).
+
+    What agentspec keeps on disk holds every tenant's token ids (the session store, the
+    prefix KV copies): folders it creates are the owner's alone, whatever the umask.
+
+    Args:
+        path: The folder.
+        tighten: Also take group and other access away from ``path`` itself when it
+            exists (a folder agentspec owns, made wider by an older version); a folder a
+            user chose, e.g. for the store, keeps its mode.
+
+    Raises:
+        OSError: it cannot be made (a file is in the way, no permission).
+    """
+    path = Path(path)
+    missing: list[Path] = []
+    cur = path
+    while not os.path.lexists(cur) and cur.parent != cur:
+        missing.append(cur)
+        cur = cur.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+            os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask; chmod is not
+        except FileExistsError:  # another process made it meanwhile
+            if not folder.is_dir():
+                raise
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+    if tighten and st.st_mode & 0o077 and st.st_uid == os.getuid():
+        os.chmod(path, 0o700)
+    return path
 
 
 @dataclass(frozen=True)

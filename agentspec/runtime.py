@@ -25,6 +25,7 @@ from agentspec.engine import Generation, SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine, build_gate
 from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.storage.health import CountingStore
 from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
@@ -61,6 +62,9 @@ class Runtime:
         self._keep = self.tool_format.keep_ids() & special
         self._drop = special - self._keep
         self.store = store
+        # Drafters read and the runtime writes through one counter of the store's failures
+        # (a turn that could not be stored or read is answered anyway, never silently).
+        self.turns = CountingStore(store) if store is not None else None
         self.default_spec = default_spec or AgentSpec()
         self.lock = threading.RLock()
         self._drafters: dict[tuple[DraftingPolicy, bool], Drafter | None] = {}
@@ -69,7 +73,11 @@ class Runtime:
         self._gates: dict[tuple[DraftingPolicy, bool], DraftGate | None] = {}
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
-        self.store_errors = 0  # finished turns that could not be persisted (logged)
+
+    @property
+    def store_errors(self) -> int:
+        """Finished turns that could not be persisted (logged; see :attr:`turns`)."""
+        return self.turns.count("append") if self.turns is not None else 0
 
     @classmethod
     def load(
@@ -122,7 +130,7 @@ class Runtime:
         # and by whether it drafts trees (which also depends on the verifier).
         key = (spec.drafting, spec.tree_drafts)
         if key not in self._drafters:
-            self._drafters[key] = build_drafter(spec, self.target, self.store)
+            self._drafters[key] = build_drafter(spec, self.target, self.turns)
         return self._drafters[key]
 
     def gate_for(self, spec: AgentSpec) -> DraftGate | None:
@@ -195,6 +203,7 @@ class Runtime:
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
         response_format: Any = None,
+        cancel: threading.Event | None = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
@@ -203,7 +212,9 @@ class Runtime:
         model lock is held while the generator runs (requests are served one at a time);
         closing the generator early releases it. ``response_format`` (OpenAI's
         ``json_object`` / ``json_schema``) and tool calls are grammar-constrained, see
-        :meth:`constraint_for`.
+        :meth:`constraint_for`. ``cancel``, once set, stops the request between prefill
+        chunks or decode steps with :class:`~agentspec.errors.Cancelled` (nothing stored),
+        so a caller on another thread need not wait for the next delta.
         """
         spec = spec or self.default_spec
         sampling = sampling or spec.verifier.sampling()
@@ -220,20 +231,26 @@ class Runtime:
                 yield prefix
             done: list[Generation] = []
             yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done,
-                                     constraint=constraint)
+                                     constraint=constraint, cancel=cancel)
             gen = done[0]
             # The runtime owns persistence: every finished turn of a session is stored,
             # whichever drafter decoded it (none, prompt lookup, the session cache, ...).
             # Under the lock, after the drafter's finish: a session cache meeting the
             # session for the first time has loaded its stored turns without this one.
-            if (session is not None and self.store is not None
-                    and not persist_turn(self.store, session, [*prompt, *gen.tokens])):
-                self.store_errors += 1
+            # A one-off request's turn is not: no later request can name its session.
+            stored: bool | None = None
+            if session is not None and not session.ephemeral and self.turns is not None:
+                stored = persist_turn(self.turns, session, [*prompt, *gen.tokens])
+            # This request's prompt KV goes to the prefix store now, outside every request's
+            # timed path (the next request may be another tenant's).
+            self.target.retire()
         if result is not None:
-            result.append(ChatResult.build(
+            out = ChatResult.build(
                 prefix + gen.text, tools if tool_choice != "none" else None, gen.finish_reason,
                 len(prompt), gen.tokens, gen.stats, self.tool_format,
-            ))
+            )
+            out.stored = stored
+            result.append(out)
 
     def chat(
         self,

@@ -102,11 +102,15 @@ class SessionRef:
         session_id: The conversation / agent run.
         tenant: The customer (API key); tenants never see each other's tokens.
         agent: The agent (one AgentSpec) within the tenant.
+        ephemeral: A one-off request's ref (the server's anonymous requests under agent or
+            tenant scope): its turn feeds the agent's and tenant's history in memory but is
+            never stored, since no later request can name this session.
     """
 
     session_id: str
     tenant: str = "default"
     agent: str = "default"
+    ephemeral: bool = False
 
     def __post_init__(self) -> None:
         check_id("session", self.session_id)

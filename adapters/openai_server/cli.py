@@ -20,8 +20,26 @@ from agentspec.errors import AgentSpecError
 DEFAULT_PREFIX_CACHE_MB = 1024
 
 
+def _positive_seconds(value: str) -> float:
+    """Seconds > 0 (argparse reports a bad value as a usage error)."""
+    s = float(value)
+    if not s > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return s
+
+
+def _non_negative_seconds(value: str) -> float:
+    """Seconds >= 0 (0 switches the limit off)."""
+    s = float(value)
+    if not s >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (0: no limit), got {value}")
+    return s
+
+
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve`` command to ``agentspec``'s subparsers; return its parser."""
+    from agentspec.storage.sessions import StoreConfig  # no torch: sqlite and the ids only
+
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serves /v1/chat/completions (streaming, tools), /v1/models, /health and "
@@ -55,6 +73,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "recently used sessions (default: no per-tenant cap)")
     p.add_argument("--tenant-max-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens stored per tenant, evicting within the tenant (default: no cap)")
+    p.add_argument("--store-max-tokens", type=positive_int,
+                   default=StoreConfig.max_total_tokens, metavar="N",
+                   help="tokens stored in the whole store (4 bytes each: the bound on its "
+                        "size); past it the tenant holding the most tokens loses its least "
+                        "recently used sessions (default %(default)s, about 1 GB)")
     p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"larger request bodies get HTTP 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
@@ -63,6 +86,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="largest max_tokens a request may ask for (default 4096)")
     p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="requests that may queue for the model; more get HTTP 503 (default 256)")
+    p.add_argument("--max-waiting-per-tenant", type=positive_int, default=None, metavar="N",
+                   help="of those, requests one tenant (API key) may queue; more get HTTP 429 "
+                        "while other tenants still get in (default: a quarter of "
+                        "--max-waiting, at least 1; without API keys, all of it)")
+    p.add_argument("--max-queue-wait-s", type=_positive_seconds, default=300.0, metavar="S",
+                   help="a request that waited longer for the model gets HTTP 503 "
+                        "queue_timeout instead of running (default 300)")
+    p.add_argument("--max-generation-s", type=_non_negative_seconds, default=600.0,
+                   metavar="S",
+                   help="a generation running longer stops and is answered with what it has, "
+                        "finish_reason 'length', its turn not stored (0: no limit; default 600)")
     p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                    metavar="MB",
                    help="memory for prompt prefixes' KV reused across a tenant's requests "
@@ -89,6 +123,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         keys=keys, model_name=args.served_model_name, max_request_bytes=args.max_request_bytes,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit),
         max_tokens_limit=args.max_tokens_limit, max_waiting=args.max_waiting,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
+        max_queue_wait_s=args.max_queue_wait_s, max_generation_s=args.max_generation_s,
         owns_runtime=True,  # SIGTERM checkpoints and closes the store (see docs/reliability.md)
     )
 
@@ -111,7 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     store: Path | bool = False if args.no_store else (args.store or True)
     quotas = StoreConfig(max_sessions_per_tenant=args.tenant_max_sessions,
-                         max_tokens_per_tenant=args.tenant_max_tokens)
+                         max_tokens_per_tenant=args.tenant_max_tokens,
+                         max_total_tokens=args.store_max_tokens)
     try:
         runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
                                tool_format=args.tool_format,

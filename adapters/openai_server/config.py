@@ -38,6 +38,14 @@ class ServerConfig:
         default_max_tokens: Completion tokens when a request names no limit.
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
         max_waiting: Requests that may wait for the model at once; more get a 503.
+        max_waiting_per_tenant: Of those, how many one tenant may hold; more get a 429, so
+            one tenant's flood leaves room for the others (default ``None``: a quarter of
+            ``max_waiting``, at least 1; in local-only mode, with its one tenant, all of it).
+            See :attr:`tenant_share`.
+        max_queue_wait_s: A request that waited longer than this for the model when its
+            turn comes gets a 503 without running (its client has likely given up).
+        max_generation_s: A generation running longer than this stops at its next delta
+            and is answered with what it has, ``finish_reason="length"``; 0: no deadline.
         body_timeout_s: A request body not fully received in this time gets a 408 (a
             declared ``Content-Length`` that never arrives must not hold a connection).
         owns_runtime: The app closes the runtime's session store on shutdown (WAL
@@ -52,6 +60,9 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_waiting: int = 256
+    max_waiting_per_tenant: int | None = None
+    max_queue_wait_s: float = 300.0
+    max_generation_s: float = 600.0
     body_timeout_s: float = 30.0
     owns_runtime: bool = False
 
@@ -61,9 +72,21 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
-        if not self.body_timeout_s > 0:
+        share = self.max_waiting_per_tenant
+        if share is not None and (not isinstance(share, int) or share < 1):
             raise ConfigError(
-                f"ServerConfig.body_timeout_s must be > 0, got {self.body_timeout_s!r}")
+                f"ServerConfig.max_waiting_per_tenant must be an int >= 1 or None, got {share!r}")
+        if share is not None and share > self.max_waiting:
+            raise ConfigError(
+                f"ServerConfig.max_waiting_per_tenant ({share}) exceeds max_waiting "
+                f"({self.max_waiting})")
+        # `not x > 0` also refuses NaN, which compares false with everything.
+        for name in ("body_timeout_s", "max_queue_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.max_generation_s >= 0:
+            raise ConfigError(f"ServerConfig.max_generation_s must be >= 0 (0: no deadline), "
+                              f"got {self.max_generation_s!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError(
                 f"ServerConfig.default_max_tokens ({self.default_max_tokens}) exceeds "
@@ -74,6 +97,18 @@ class ServerConfig:
     def local_only(self) -> bool:
         """True when no API key is configured."""
         return self.keys.local_only
+
+    @property
+    def tenant_share(self) -> int:
+        """Queued requests one tenant may hold: ``max_waiting_per_tenant`` if set, else a
+        quarter of ``max_waiting`` (at least 1), or all of it in local-only mode, where
+        every request is the one ``local`` tenant's and a share would only shrink the queue.
+        """
+        if self.max_waiting_per_tenant is not None:
+            return self.max_waiting_per_tenant
+        if self.local_only:
+            return self.max_waiting
+        return max(1, self.max_waiting // 4)
 
 
 def check_bind(host: str, keys: KeyRing) -> None:

@@ -16,6 +16,7 @@ from agentspec.errors import (
     PromptTooLongError,
     SessionTooLargeError,
     StoreBusyError,
+    StoreError,
 )
 
 INVALID_REQUEST = "invalid_request_error"
@@ -23,6 +24,8 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 OVERLOADED = "overloaded_error"
+RATE_LIMIT = "requests"  # OpenAI's type of a request-rate 429 (with rate_limit_exceeded)
+RETRY_AFTER_S = 1  # what a refused client is told to wait: one generation is often done
 
 
 class APIError(Exception):
@@ -34,6 +37,7 @@ class APIError(Exception):
         type: OpenAI error type, e.g. ``invalid_request_error``.
         param: The request field at fault, if any.
         code: A machine-readable code, e.g. ``invalid_api_key``.
+        headers: Response headers the answer carries (``Retry-After`` on a full queue).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +55,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -95,6 +101,10 @@ def too_large(limit: int) -> APIError:
     )
 
 
+def _retry_later() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
 def overloaded(waiting: int) -> APIError:
     """A 503 when the generation queue is full (clients retry 5xx with backoff)."""
     return APIError(
@@ -103,6 +113,34 @@ def overloaded(waiting: int) -> APIError:
         OVERLOADED,
         None,
         "queue_full",
+        _retry_later(),
+    )
+
+
+def over_tenant_share(share: int) -> APIError:
+    """A 429 for a tenant that already holds its share of the queue (other tenants still
+    get in): OpenAI's ``rate_limit_exceeded``, which its clients retry with backoff."""
+    return APIError(
+        429,
+        f"Too many requests waiting: this API key's tenant already has {share} requests "
+        "queued (see --max-waiting-per-tenant); retry after one finishes.",
+        RATE_LIMIT,
+        None,
+        "rate_limit_exceeded",
+        _retry_later(),
+    )
+
+
+def queue_timeout(waited_s: float, limit_s: float) -> APIError:
+    """A 503 for a request that waited longer than ``max_queue_wait_s`` for the model."""
+    return APIError(
+        503,
+        f"The request waited {waited_s:.1f} s for the model, longer than this server's "
+        f"limit of {limit_s:g} s (see --max-queue-wait-s); it was not run. Retry later.",
+        OVERLOADED,
+        None,
+        "queue_timeout",
+        _retry_later(),
     )
 
 
@@ -123,7 +161,8 @@ def from_exception(exc: BaseException) -> APIError:
 
     Bad input (agentspec's ``ConfigError``, ``PromptTooLongError``, a session past its size
     limit) is the client's fault: 400 with the runtime's message, which names the field and
-    value. Anything else is a 500 whose message does not leak internals.
+    value. A store failure is a 503 naming no file. Anything else is a 500 whose message
+    does not leak internals.
     """
     if isinstance(exc, APIError):
         return exc
@@ -135,6 +174,9 @@ def from_exception(exc: BaseException) -> APIError:
         return bad_request(str(exc), None, "session_too_large")
     if isinstance(exc, StoreBusyError):
         return APIError(503, "The session store is busy; retry later.", OVERLOADED, None, "busy")
+    if isinstance(exc, StoreError):  # its message names the store's file: logged, not sent
+        return APIError(503, "The session store could not be read or written; retry later.",
+                        OVERLOADED, None, "store_unavailable")
     if isinstance(exc, AgentSpecError):
         return APIError(500, f"{type(exc).__name__}: {exc}", SERVER_ERROR)
     return APIError(500, "Internal server error.", SERVER_ERROR)

@@ -12,7 +12,17 @@ built for vLLM's ``spec_decode`` metrics work after a prefix change:
   requests of the tenant (prefix reuse; hit rate = this / ``prompt_tokens_total``), and
   ``agentspec:prefill_seconds_total``: seconds spent reading prompts;
 * ``agentspec:prefix_cache_bytes`` / ``agentspec:prefix_cache_budget_bytes``: the prefix
-  store's use and budget (gauges, when the runtime's target has a store).
+  store's use and budget (gauges, when the runtime's target has a store);
+* ``agentspec:prefix_cache_disk_faults_total{kind="rejected|write_error"}``: KV blocks on
+  disk refused on reading (signature, tokens, layout) and block writes that failed;
+* ``agentspec:store_failures_total{op="append|load",reason=...}``: session store failures
+  (a turn answered but not stored; a session's history not read);
+* ``agentspec:queue_rejections_total{reason=...}``: requests refused or dropped by the
+  generation queue: ``global_full`` (503), ``tenant_share`` (429), ``queue_timeout`` (503,
+  waited past ``max_queue_wait_s``), ``shutdown`` (503);
+* ``agentspec:generation_deadline_stops_total``: generations cut at ``max_generation_s``;
+* ``agentspec:request_cancellations_total{stage="queued|running"}``: requests whose client
+  left while they waited, or while they were prefilled or decoded.
 
 Labels carry no tenant: ``/metrics`` is scraped without a key, and tenant names are the
 operator's business, not every scraper's.
@@ -27,17 +37,20 @@ in the process too (vLLM's, for one).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agentspec.storage.health import STORE_FAILURE_REASONS, CountingStore
 from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import RequestStats
 
 PREFIX = "agentspec:"
+REJECTION_REASONS = ("global_full", "tenant_share", "queue_timeout", "shutdown")
+CANCEL_STAGES = ("queued", "running")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -54,6 +67,23 @@ class _WithoutCreated(Collector):
                 created = family.name + "_created"
                 family.samples = [s for s in family.samples if s.name != created]
                 yield family
+
+
+class _ReadCounter(Collector):
+    """A counter family whose values are read from their owner at scrape time (the store
+    and the prefix cache count for themselves; the server only exposes their counts)."""
+
+    def __init__(self, name: str, doc: str, model_name: str, labels: tuple[str, ...],
+                 read: Callable[[], dict[tuple[str, ...], float]]) -> None:
+        self._name, self._doc, self._model = name, doc, model_name
+        self._labels, self._read = labels, read
+
+    def collect(self) -> Iterable[Metric]:
+        """One sample per label tuple ``read()`` returns."""
+        family = CounterMetricFamily(self._name, self._doc, labels=("model_name", *self._labels))
+        for values, n in sorted(self._read().items()):
+            family.add_metric([self._model, *values], n)
+        yield family
 
 
 class Metrics:
@@ -98,6 +128,19 @@ class Metrics:
         drafts = counter("spec_decode_num_drafts", "Decode steps that verified a draft.")
         draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._rejections = counter("queue_rejections",
+                                   "Requests refused or dropped by the queue, by reason.",
+                                   "reason")
+        self._cancellations = counter("request_cancellations",
+                                      "Requests whose client left, by stage.", "stage")
+        deadline_stops = counter("generation_deadline_stops",
+                                 "Generations cut short at the generation deadline.")
+        # Known label values start at 0, so a dashboard's rate() has a series from the start.
+        for reason in REJECTION_REASONS:
+            self._rejections.labels(model_name, reason)
+        for stage in CANCEL_STAGES:
+            self._cancellations.labels(model_name, stage)
+        self._deadline_stops = deadline_stops.labels(model_name)
         e2e = histogram("e2e_request_latency_seconds",
                         "End-to-end request latency, queueing included.")
         ttft = histogram("time_to_first_token_seconds",
@@ -118,10 +161,12 @@ class Metrics:
             running, waiting, self._requests, self._errors, prompt_tokens, cached_tokens,
             prefill_s, generation_tokens,
             forwards, drafts, draft_tokens, accepted, self._accepted_per_pos, e2e, ttft,
+            self._rejections, self._cancellations, deadline_stops,
         ]))
 
     def watch_prefix_cache(self, cache: PrefixCache) -> None:
-        """Expose the prefix store's bytes in use and budget as gauges (read at scrape)."""
+        """Expose the prefix store's bytes in use and budget as gauges, and the disk copy's
+        rejected blocks and failed writes as counters (all read at scrape)."""
         m = ("model_name",)
         used = Gauge(PREFIX + "prefix_cache_bytes", "Bytes of prompt-prefix KV held.", m,
                      registry=None)
@@ -130,6 +175,33 @@ class Metrics:
         used.labels(self.model_name).set_function(lambda: cache.bytes_used)
         budget.labels(self.model_name).set_function(lambda: cache.budget_bytes)
         self.registry.register(_WithoutCreated([used, budget]))
+
+        def disk() -> dict[tuple[str, ...], float]:
+            d = cache.to_dict()
+            return {("rejected",): d["rejected_blocks"],
+                    ("write_error",): d["spill_write_errors"]}
+
+        self.registry.register(_ReadCounter(
+            PREFIX + "prefix_cache_disk_faults", "Prefix KV blocks on disk rejected on reading "
+            "(signature, tokens or layout) and block writes that failed; each costs a "
+            "recomputation, never an error.", self.model_name, ("kind",), disk))
+
+    def watch_store(self, turns: CountingStore) -> None:
+        """Expose the session store's failures (turns answered but not stored, stored
+        history not read) by operation and reason, read at scrape."""
+
+        def failures() -> dict[tuple[str, ...], float]:
+            out: dict[tuple[str, ...], float] = {
+                (op, reason): 0.0 for op in ("append", "load")
+                for reason in STORE_FAILURE_REASONS}
+            for key, n in list(turns.failures.items()):
+                out[key] = float(n)
+            return out
+
+        self.registry.register(_ReadCounter(
+            PREFIX + "store_failures", "Session store operations that failed: a turn answered "
+            "but not stored (append), a session's history not read (load).", self.model_name,
+            ("op", "reason"), failures))
 
     def queued(self, delta: int) -> None:
         """A request entered (+1) or left (-1) the generation queue."""
@@ -140,6 +212,21 @@ class Metrics:
         """A generation started (+1) or ended (-1)."""
         with self._lock:
             self.running += delta
+
+    def rejected(self, reason: str) -> None:
+        """Count a request the queue refused or dropped (one of :data:`REJECTION_REASONS`)."""
+        with self._lock:
+            self._rejections.labels(self.model_name, reason).inc()
+
+    def cancelled(self, stage: str) -> None:
+        """Count a request whose client left while ``queued`` or ``running``."""
+        with self._lock:
+            self._cancellations.labels(self.model_name, stage).inc()
+
+    def deadline_stop(self) -> None:
+        """Count a generation cut short at the generation deadline."""
+        with self._lock:
+            self._deadline_stops.inc()
 
     def first_token(self, seconds: float) -> None:
         """Record a streaming request's time to its first generated delta."""

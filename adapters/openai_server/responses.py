@@ -96,8 +96,10 @@ def usage_of(result: ChatResult) -> CompletionUsage:
 
 
 def stats_of(result: ChatResult, session_id: str | None) -> dict[str, Any]:
-    """The ``agentspec`` extension: the request's speculative-decoding numbers."""
-    return {"session_id": session_id, **result.stats.to_dict()}
+    """The ``agentspec`` extension: the request's speculative-decoding numbers, and whether
+    its turn reached the session store (``stored``: ``False`` when it could not be written,
+    ``None`` with no session or no store)."""
+    return {"session_id": session_id, "stored": result.stored, **result.stats.to_dict()}
 
 
 def completion(

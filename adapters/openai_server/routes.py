@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from openai.types import Model
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -64,12 +64,21 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
-    """Cancel ``gen`` when the client hangs up (a queued job is then skipped)."""
+    """Cancel ``gen`` when the client hangs up (a queued job leaves the queue at once)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             gen.cancel()
             return
+
+
+def _with_headers(exc: APIError, metrics: Metrics) -> Response:
+    """Answer an error that carries headers (a full queue's ``Retry-After``) here, headers
+    included; any other error goes on to the app's handler."""
+    if not exc.headers:
+        raise exc
+    metrics.error(exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def add_routes(
@@ -149,10 +158,14 @@ def add_routes(
             agent_header=request.headers.get(AGENT_HEADER),
             base_spec=runtime.default_spec, config=config,
         )
-        gen = service.submit(job)
-        headers = {"X-Session-Id": job.session.session_id} if job.session else {}
+        try:
+            gen = service.submit(job)
+        except APIError as exc:  # 503 queue full, 429 over the tenant's share
+            return _with_headers(exc, metrics)
+        headers = {"X-Session-Id": job.session_id} if job.session_id else {}
         # Until the answer (or a stream's first event) exists, watch for the client leaving:
-        # a departed client's job is skipped or stopped, and its turn is never stored.
+        # a departed client's job leaves the queue or is stopped, and its turn is never
+        # stored.
         # A started stream is watched by Starlette itself, so the watcher ends before that.
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
         try:
@@ -160,5 +173,7 @@ def add_routes(
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await answers.stream(gen, job, include_usage, headers)
             return await answers.complete(gen, job, headers)
+        except APIError as exc:  # e.g. a 503 for a request that waited too long
+            return _with_headers(exc, metrics)
         finally:
             watcher.cancel()

@@ -1,24 +1,44 @@
 """Turning a validated request into a runtime call, and running it off the event loop.
 
 The runtime serves one request at a time (the target holds one KV cache), so generations
-run on a single worker thread in arrival order while the event loop keeps answering
-``/health``, ``/metrics`` and new connections. A generation streams its deltas into an
+run on a single worker thread while the event loop keeps answering ``/health``,
+``/metrics`` and new connections. A generation streams its deltas into an
 ``asyncio.Queue``; the whole generator runs on that one thread because the runtime's lock is
-an ``RLock`` held inside the generator, which only its owning thread may release. A client
-that disconnects cancels its generation at the next delta (closing the generator releases
-the lock, and the unfinished turn is never stored); a request that is still queued is
-skipped when its turn comes. Either way the handle receives one final ``cancelled`` event,
-so no handler waits forever.
+an ``RLock`` held inside the generator, which only its owning thread may release.
+
+Fairness and bounds (:class:`~adapters.openai_server.queue.FairQueue`): each tenant waits in
+its own FIFO and the worker serves tenants round-robin, so one tenant's backlog delays
+another tenant's request by at most one generation per tenant ahead of it. At most
+``max_waiting`` requests wait in all (more: 503 ``queue_full``) and at most
+``tenant_share`` of them per tenant (more: 429 ``rate_limit_exceeded``), both with a
+``Retry-After`` header. A request that waited longer than ``max_queue_wait_s`` when its turn
+comes is answered with a 503 ``queue_timeout`` without running. A generation that runs
+longer than ``max_generation_s`` stops at its next delta and is answered with what it has,
+``finish_reason="length"``; like every generation closed early, its turn is not stored
+(the session cache misses it; the client's next request, which carries the answer in its
+history, is prefilled as usual), and its usage counts completion tokens only as far as the
+runtime's tokenizer re-reads them from the text, with no prompt tokens (the runtime reports
+those when a generation finishes).
+
+Cancellation: a client that disconnects while queued gives its slot back at once (the
+handle leaves the queue, its counters drop); one that disconnects while its request runs
+stops it at the runtime's next check (the ``cancel`` event of ``stream_chat``: between
+prefill chunks and decode steps; a cold prefill is one forward and runs to its end), or at
+the next delta. Either way the unfinished turn is never stored, and the handle receives one
+final ``cancelled`` event, so no handler waits forever.
 
 Shutdown (:meth:`ChatService.shutdown`) refuses new work with a 503, answers every queued
 request with a 503 at once (their clients retry elsewhere) and waits for the running
-generation, which ends at its next delta if its client has gone.
+generation, which ends at its next check if its client has gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
+import math
 import threading
 import time
 import uuid
@@ -30,16 +50,24 @@ from typing import Any
 from pydantic import ValidationError
 
 from adapters.openai_server.config import ServerConfig
-from adapters.openai_server.errors import bad_request, overloaded, shutting_down
+from adapters.openai_server.errors import (
+    bad_request,
+    over_tenant_share,
+    overloaded,
+    queue_timeout,
+    shutting_down,
+)
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.params import check_structured
+from adapters.openai_server.queue import FairQueue, Generation
 from adapters.openai_server.schemas import ChatCompletionRequest
 from agentspec.chat.api import ChatResult
+from agentspec.chat.formats import ToolFormat
+from agentspec.errors import Cancelled
 from agentspec.spec import AgentSpec, VerifierPolicy
-from agentspec.types import SessionRef, check_id
+from agentspec.types import RequestStats, SessionRef, check_id
 
-# ("delta", str) | ("done", ChatResult) | ("error", BaseException) | ("cancelled", None)
-Event = tuple[str, Any]
+__all__ = ["ChatService", "Generation", "Job", "build_job", "session_id_for"]
 
 
 @dataclass
@@ -54,6 +82,9 @@ class Job:
         spec: Agent spec with the request's sampling settings.
         max_tokens: Completion token limit.
         stop: Stop sequences.
+        response_format: As sent (``None``: free text).
+        tenant: The API key's tenant: the queue the request waits in (``None``: the
+            session's tenant, else one shared anonymous queue).
     """
 
     messages: list[dict[str, Any]]
@@ -64,11 +95,27 @@ class Job:
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     response_format: dict[str, Any] | None = None
+    tenant: str | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        """The session the client can name again (``None`` for a one-off request, whose
+        ephemeral ref is never stored and never reported)."""
+        if self.session is None or self.session.ephemeral:
+            return None
+        return self.session.session_id
 
     @property
     def tools_active(self) -> bool:
         """True when tools are bound and not switched off by ``tool_choice="none"``."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def queue_key(self) -> str:
+        """The tenant whose FIFO the job waits in (``""``: the anonymous one)."""
+        if self.tenant is not None:
+            return self.tenant
+        return self.session.tenant if self.session is not None else ""
 
 
 def _message_dict(msg: Any) -> dict[str, Any]:
@@ -169,62 +216,53 @@ def build_job(
     elif spec.drafting.scope != "session":
         # A one-off request still shares (and feeds) its agent's or tenant's history
         # under those scopes; a fresh id keeps it out of every other session.
-        session = SessionRef(f"anon-{uuid.uuid4().hex}", tenant=tenant, agent=agent)
+        session = SessionRef(f"anon-{uuid.uuid4().hex}", tenant=tenant, agent=agent,
+                             ephemeral=True)
     # Under session scope an anonymous request uses its own request index only (session
     # None): a random id would draft exactly the same but leave an orphan row in the store.
     check_structured(request, raw_tools)
     return Job(messages, raw_tools, request.tool_choice, session, spec, limit,
-               request.stop_list(), request.response_format)
+               request.stop_list(), request.response_format, tenant)
 
 
-class Generation:
-    """A handle on one queued or running generation; read its events with :meth:`next`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._cancelled = threading.Event()
-        self.submitted = time.perf_counter()
-
-    def emit(self, kind: str, payload: Any) -> None:
-        """Hand an event to the event loop (called from the worker thread)."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, payload))
-        except RuntimeError:
-            self._cancelled.set()  # the loop is gone (shutdown): stop generating
-
-    async def next(self) -> Event:
-        """The next event: ``delta``, then one final ``done`` or ``error``."""
-        return await self._queue.get()
-
-    def cancel(self) -> None:
-        """Stop the generation at its next delta (or skip it if still queued)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        """True once :meth:`cancel` was called."""
-        return self._cancelled.is_set()
+def _runtime_part(stream_chat: Callable[..., Any], name: str) -> Any:
+    # `stream_chat` is normally a bound method of a ChatRuntime, which has a tokenizer and
+    # a tool format; a bare function has neither.
+    return getattr(getattr(stream_chat, "__self__", None), name, None)
 
 
 class ChatService:
-    """Runs jobs on the runtime, one at a time, on a dedicated worker thread.
+    """Runs jobs on the runtime, one at a time, on a dedicated worker thread, taking them
+    from per-tenant queues round-robin (see the module docstring for the bounds).
 
     Args:
         stream_chat: The runtime's ``stream_chat`` (or a fake with its signature).
-        config: Server settings (queue limit).
+        config: Server settings (queue bounds, waiting and generation time limits).
         metrics: Where queue and finish numbers go.
+        tool_format: Parses the tool calls of an answer cut at the generation deadline
+            (default: the format of the runtime ``stream_chat`` is bound to).
+        count_tokens: Counts the completion tokens of such an answer (default: the length
+            of the runtime's tokenizer's encoding; 0 without a tokenizer).
     """
 
     def __init__(
-        self, stream_chat: Callable[..., Any], config: ServerConfig, metrics: Metrics
+        self, stream_chat: Callable[..., Any], config: ServerConfig, metrics: Metrics, *,
+        tool_format: ToolFormat | None = None,
+        count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         self._stream_chat = stream_chat
         self._config = config
         self._metrics = metrics
+        self._tool_format = tool_format or _runtime_part(stream_chat, "tool_format")
+        tokenizer = _runtime_part(stream_chat, "tokenizer")
+        self._count_tokens = count_tokens or (
+            (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+            if tokenizer is not None else (lambda _: 0))
+        # Every submit queues one executor task that serves whichever job is next, so the
+        # single worker thread takes jobs in the fair queue's order, not in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-gen")
         self._lock = threading.Lock()
-        self._queued: set[Generation] = set()
+        self._queue: FairQueue[Generation] = FairQueue(config.max_waiting, config.tenant_share)
         self._closing = False
 
     @property
@@ -232,58 +270,112 @@ class ChatService:
         """True once :meth:`shutdown` began: new requests get a 503."""
         return self._closing
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued now (cancelled ones leave at once)."""
+        with self._lock:
+            return len(self._queue)
+
     def submit(self, job: Job) -> Generation:
         """Queue a job; its events arrive on the returned handle.
 
         Raises:
-            APIError: 503 when ``config.max_waiting`` requests are already queued, or the
-                server is shutting down.
+            APIError: 503 when ``config.max_waiting`` requests are already queued or the
+                server is shutting down; 429 when the job's tenant already has its share
+                (``config.tenant_share``) queued.
         """
-        gen = Generation(asyncio.get_running_loop())
-        with self._lock:
-            if self._closing:
+        gen = Generation(asyncio.get_running_loop(), job, self._withdraw)
+        with self._lock:  # the waiting gauge moves with the queue, under its lock
+            refused = "shutdown" if self._closing else self._queue.offer(gen.tenant, gen)
+            waiting = len(self._queue)
+            if refused is None:
+                self._metrics.queued(+1)
+        if refused is not None:
+            self._metrics.rejected(refused)
+            if refused == "shutdown":
                 raise shutting_down()
-            if len(self._queued) >= self._config.max_waiting:
-                raise overloaded(len(self._queued))
-            self._queued.add(gen)
-        self._metrics.queued(+1)
-        self._executor.submit(self._work, job, gen)
+            if refused == "tenant_share":
+                raise over_tenant_share(self._queue.max_per_tenant)
+            raise overloaded(waiting)
+        # RuntimeError: shutdown began after the offer; it drained the queue and answered gen.
+        with contextlib.suppress(RuntimeError):
+            self._executor.submit(self._serve_next)
         return gen
 
-    def _dequeue(self, gen: Generation) -> bool:
-        """Take ``gen`` off the queue; False if shutdown already answered it."""
+    def _withdraw(self, gen: Generation) -> None:
+        """A queued handle whose client left: off the queue now, its slot free for others.
+        A handle already taken by the worker (or answered by shutdown) is left to them."""
         with self._lock:
-            if gen not in self._queued:
-                return False
-            self._queued.discard(gen)
-        self._metrics.queued(-1)
-        return True
+            removed = self._queue.remove(gen.tenant, gen)
+            if removed:
+                self._metrics.queued(-1)
+        if removed:
+            self._metrics.cancelled("queued")
+            gen.emit("cancelled", None)
 
-    def _work(self, job: Job, gen: Generation) -> None:
-        if not self._dequeue(gen):
+    def _serve_next(self) -> None:
+        """Run the next job of the fair queue (nothing when cancellations emptied it)."""
+        with self._lock:
+            gen = self._queue.pop()
+            if gen is not None:
+                self._metrics.queued(-1)
+        if gen is None:
             return
-        if gen.cancelled:  # its client left while it waited: no work, nothing stored
+        if gen.cancelled:  # its client left just as its turn came: no work, nothing stored
+            self._metrics.cancelled("queued")
             gen.emit("cancelled", None)
             return
+        waited = time.perf_counter() - gen.submitted
+        if waited > self._config.max_queue_wait_s:
+            self._metrics.rejected("queue_timeout")
+            gen.emit("error", queue_timeout(waited, self._config.max_queue_wait_s))
+            return
+        self._run(gen)
+
+    def _run(self, gen: Generation) -> None:
+        """Generate ``gen``'s job, handing each delta and one final event to its loop."""
+        job = gen.job
         self._metrics.started(+1)
+        limit = self._config.max_generation_s
+        deadline = time.perf_counter() + limit if limit else math.inf
         out: list[ChatResult] = []
-        stream = self._stream_chat(
-            job.messages, job.tools, tool_choice=job.tool_choice, session=job.session,
-            spec=job.spec, max_tokens=job.max_tokens, stop=job.stop, result=out,
-            **({"response_format": job.response_format} if job.response_format else {}),
-        )
+        text: list[str] = []
+        stream = None
         try:
+            stream = self._stream_chat(
+                job.messages, job.tools, tool_choice=job.tool_choice, session=job.session,
+                spec=job.spec, max_tokens=job.max_tokens, stop=job.stop, result=out,
+                cancel=gen.cancel_event,
+                **({"response_format": job.response_format} if job.response_format else {}),
+            )
             for delta in stream:
                 if gen.cancelled:
-                    gen.emit("cancelled", None)
-                    return
+                    raise Cancelled("the client left")
                 gen.emit("delta", delta)
+                text.append(delta)
+                if time.perf_counter() > deadline:
+                    stream.close()  # nothing stored, as for any generation closed early
+                    self._metrics.deadline_stop()
+                    gen.emit("done", self._cut_short(job, "".join(text)))
+                    return
             gen.emit("done", out[0])
+        except Cancelled:  # the runtime (or this loop) saw the client leave mid-generation
+            self._metrics.cancelled("running")
+            gen.emit("cancelled", None)
         except BaseException as exc:  # handed to the client as an error body, not lost
             gen.emit("error", exc)
         finally:
-            stream.close()  # on this thread: releases the runtime's lock if still held
+            if stream is not None:
+                stream.close()  # on this thread: releases the runtime's lock if still held
             self._metrics.started(-1)
+
+    def _cut_short(self, job: Job, text: str) -> ChatResult:
+        """The answer of a generation stopped at the deadline: its text so far, finish
+        reason ``length``; usage counts the completion tokens only (see module docstring)."""
+        n = self._count_tokens(text)
+        result = ChatResult.build(text, job.tools if job.tools_active else None, "length", 0,
+                                  [], RequestStats(generated_tokens=n), self._tool_format)
+        return dataclasses.replace(result, completion_tokens=n)
 
     def shutdown(self) -> None:
         """Refuse new work, answer queued requests with a 503, wait for the running one.
@@ -293,10 +385,10 @@ class ChatService:
         """
         with self._lock:
             self._closing = True
-            queued, self._queued = list(self._queued), set()
+            queued = self._queue.drain()
+            self._metrics.queued(-len(queued))
         for gen in queued:
-            self._metrics.queued(-1)
-            gen.cancel()
+            self._metrics.rejected("shutdown")
+            gen.cancel_event.set()  # off the queue already: nothing to withdraw
             gen.emit("error", shutting_down())
         self._executor.shutdown(wait=True, cancel_futures=True)
-

@@ -69,7 +69,7 @@ class Answers:
         except _ClientGone:  # nobody is listening: no answer, and no turn was stored
             metrics.aborted()
             return Response(status_code=499)
-        sid = job.session.session_id if job.session else None
+        sid = job.session_id
         metrics.finished(payload.stats, responses.finish_reason_of(payload, job.tools_active),
                          time.perf_counter() - gen.submitted)
         body = responses.completion(payload, self.model_name, job.tools_active, sid)
@@ -89,7 +89,7 @@ class Answers:
             return Response(status_code=499)
         writer = responses.ChunkWriter(self.model_name, job.tools_active, include_usage,
                                        self.tool_format)
-        sid = job.session.session_id if job.session else None
+        sid = job.session_id
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             kind, payload = first

@@ -35,7 +35,7 @@ from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from adapters.vllm.structured import structured_output_kwargs
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
 from agentspec.chat.formats import ToolFormat, choose_tool_format
-from agentspec.errors import ConfigError
+from agentspec.errors import Cancelled, ConfigError
 from agentspec.spec import AgentSpec
 from agentspec.tokens import eos_ids
 from agentspec.types import SamplingParams, SessionRef
@@ -270,6 +270,7 @@ class VLLMRuntime:
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
         response_format: Any = None,
+        cancel: threading.Event | None = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas; append the final :class:`ChatResult` to ``result``.
 
@@ -279,7 +280,9 @@ class VLLMRuntime:
 
         Requests are served one at a time (the lock is held while the generator runs), so
         vLLM's process-wide spec-decode counters measure this request alone; closing the
-        generator early aborts the vLLM request.
+        generator early aborts the vLLM request, and so does ``cancel`` (checked before
+        every engine step; a step's prefill is not interrupted), raising
+        :class:`~agentspec.errors.Cancelled`.
 
         Raises:
             ConfigError: ``max_tokens`` < 1, ASD verification, or a bad ``tool_choice``.
@@ -308,6 +311,8 @@ class VLLMRuntime:
             sent = 0
             try:
                 while final is None:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("the request was cancelled")
                     for out in self.engine.step():
                         if out.request_id != request_id:
                             continue

@@ -8,6 +8,7 @@ both return, :func:`chat_prompt_ids` how both render a request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class ChatResult:
         tokens: Generated token ids.
         tool_format: The tool format the answer was parsed in (faces write invalid calls
             back in it).
+        stored: Whether the turn reached the session store (``False``: it could not be
+            written and was logged and counted; ``None``: no session or no store).
     """
 
     text: str
@@ -54,6 +57,7 @@ class ChatResult:
     stats: RequestStats = field(default_factory=RequestStats)
     tokens: list[int] = field(default_factory=list)
     tool_format: ToolFormat | None = field(default=None, repr=False, compare=False)
+    stored: bool | None = None
 
 
     @classmethod
@@ -187,13 +191,17 @@ class ChatRuntime(Protocol):
         result: list[ChatResult] | None = None,
         assistant_prefix: str = "",
         response_format: Any = None,
+        cancel: threading.Event | None = None,
     ) -> Generator[str, None, None]:
         """Yield text deltas of the answer; append the final result to ``result``.
 
         ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
         result's text start with it), before any call that ``tool_choice`` forces.
         ``response_format`` (OpenAI's ``json_object`` / ``json_schema``) constrains the
-        answer to a grammar.
+        answer to a grammar. ``cancel``, set from another thread, stops the request with
+        :class:`~agentspec.errors.Cancelled` at the runtime's next check (agentspec's
+        runtime checks between prefill chunks and decode steps; the server passes it for
+        every request, so a runtime must accept it, and may check it only per delta).
         """
         ...
 

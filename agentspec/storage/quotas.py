@@ -4,8 +4,10 @@ Fairness rule: a tenant over its own quota (``max_sessions_per_tenant``,
 ``max_tokens_per_tenant``) loses its own least recently used sessions; when the whole
 store is over ``max_sessions``, the victims come from the tenant holding the most sessions,
 least recently used first. One busy tenant therefore evicts its own history, not every other
-tenant's. Runs inside the append's transaction, so an append and its evictions commit
-together or not at all.
+tenant's. The same rule bounds the store's bytes: past ``max_total_tokens`` (4 bytes each in
+the file) the tenant holding the most tokens loses its least recently used sessions. Runs
+inside the append's transaction, so an append and its evictions commit together or not at
+all.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Quotas(Protocol):
 
     @property
     def max_tokens_per_tenant(self) -> int | None: ...
+
+    @property
+    def max_total_tokens(self) -> int: ...
 
 _LRU = "SELECT id, tokens FROM sessions WHERE tenant=? AND id != ? ORDER BY last_used, id"
 
@@ -86,4 +91,30 @@ def evict(
         drop(conn, [r[0] for r in rows])
         victims += [r[0] for r in rows]
         extra -= len(rows)
+    victims += _evict_tokens(conn, cfg.max_total_tokens, keep, tenant, drop)
     return len(victims)
+
+
+def _evict_tokens(
+    conn: sqlite3.Connection,
+    limit: int,
+    keep: int,
+    tenant: str,
+    drop: Callable[[sqlite3.Connection, list[int]], None],
+) -> list[int]:
+    """Bring the whole store within ``limit`` tokens: the victims are the least recently
+    used sessions of the tenant holding the most tokens (``keep`` is never evicted)."""
+    total = conn.execute("SELECT COALESCE(SUM(tokens), 0) FROM sessions").fetchone()[0]
+    victims: list[int] = []
+    while total > limit:
+        heavy = conn.execute(
+            "SELECT tenant FROM sessions WHERE id != ? GROUP BY tenant "
+            "ORDER BY SUM(tokens) DESC, tenant = ? DESC, tenant LIMIT 1", (keep, tenant)
+        ).fetchone()
+        if heavy is None:  # only ``keep`` is left (it alone fits max_tokens_per_session)
+            break
+        row = conn.execute(_LRU + " LIMIT 1", (heavy[0], keep)).fetchone()
+        drop(conn, [row[0]])
+        victims.append(row[0])
+        total -= row[1]
+    return victims

@@ -99,6 +99,9 @@ class StoreConfig:
         max_tokens_per_tenant: Optional cap on a tenant's stored tokens; an append past it
             evicts that tenant's own least recently used sessions (never the one appended
             to; if that one alone is too large, :class:`SessionTooLargeError`).
+        max_total_tokens: Tokens kept in the whole store (4 bytes each in the file, the
+            bound on its size); an append past it evicts the least recently used sessions
+            of the tenant holding the most tokens.
         busy_timeout_s: How long to wait for other writers before ``StoreBusyError``.
         synchronous: SQLite ``synchronous`` mode. ``NORMAL`` (WAL) survives process
             crashes and SIGKILL; ``FULL`` also survives power loss, at an fsync per turn.
@@ -112,6 +115,7 @@ class StoreConfig:
     max_tokens_per_turn: int | None = None
     max_sessions_per_tenant: int | None = None
     max_tokens_per_tenant: int | None = None
+    max_total_tokens: int = 250_000_000  # ~1 GB of token ids
     busy_timeout_s: float = 10.0
     synchronous: str = "NORMAL"
     verify_on_open: bool = True
@@ -119,7 +123,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_tokens_per_session", "max_tokens_per_turn",
-                     "max_sessions_per_tenant", "max_tokens_per_tenant"):
+                     "max_sessions_per_tenant", "max_tokens_per_tenant", "max_total_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"StoreConfig.{name} must be an int >= 1, got {value!r}")

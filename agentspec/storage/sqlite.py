@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agentspec.errors import ConfigError, StoreBusyError, StoreCorruptError, StoreError
+from agentspec.models import private_dir
 
 log = logging.getLogger("agentspec.storage.sessions")
 
@@ -101,7 +102,7 @@ class SQLiteFile:
         if not self.memory:
             if path.is_dir():
                 raise ConfigError(f"{schema.kind} path {path} is a folder, not a file")
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
         try:
             self._conn = self._connect()
         except StoreCorruptError as exc:
@@ -216,6 +217,8 @@ class SQLiteFile:
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves; threads share
         # the connection under self._lock, hence check_same_thread=False.
+        if not self.memory:
+            _private_file(self.path)  # also after a quarantine moved the old file aside
         conn = sqlite3.connect(
             MEMORY if self.memory else self.path, self.busy_timeout_s, isolation_level=None,
             check_same_thread=False,
@@ -308,3 +311,16 @@ class SQLiteFile:
                 # writers retrying together do not collide again.
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(delay * 2, 0.2)
+
+
+def _private_file(path: Path) -> None:
+    """Create the database file 0600 (SQLite gives its WAL and shared-memory files the
+    same mode), or take group and other access away from an existing one we own."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_mode & 0o077 and st.st_uid == os.getuid():
+            os.chmod(path, 0o600)
+        return
+    os.close(fd)

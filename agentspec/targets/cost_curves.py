@@ -29,7 +29,9 @@ class CostCurves:
 
     Args:
         name: The model's name (progress lines).
-        key: The file's name: model, dtype, device and machine (``HFTarget`` builds it).
+        key: The file's name: model (name and a fingerprint of its weights, see
+            :mod:`agentspec.targets.fingerprint`), dtype, device and machine (``HFTarget``
+            builds it).
         max_positions: The model's window (it decides which contexts are measured).
         probe: The target's timing of one forward per draft length.
     """

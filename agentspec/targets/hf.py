@@ -13,6 +13,7 @@ import inspect
 import logging
 import os
 import platform
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ from typing import Any
 
 import torch
 
-from agentspec.errors import ConfigError, PromptTooLongError
+from agentspec.errors import Cancelled, ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
 from agentspec.targets import attention, costs, linear
 from agentspec.targets.cost_curves import CostCurves
+from agentspec.targets.fingerprint import folder_fingerprint, module_fingerprint
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.live_cost import LiveCost
@@ -52,8 +54,8 @@ class TargetConfig:
         prefix_cache_bytes: Budget of the KV prefix store (see
             :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse.
         prefix_spill_bytes: Budget of the store's disk copies under
-            ``$AGENTSPEC_HOME/prefix-kv/<model>-<dtype>`` (a session's prefix KV survives a
-            restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
+            ``$AGENTSPEC_HOME/prefix-kv/<model>-<fingerprint>-<dtype>`` (a session's prefix
+            KV survives a restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
         measure_costs: Measure the verify cost curves the draft gate prices drafts with
             when the model loads, if ``$AGENTSPEC_HOME/costs`` does not hold them yet (once
             per machine, a progress line); ``False`` leaves the gate on its safe prior
@@ -83,6 +85,12 @@ class TargetConfig:
         return self.device
 
 
+def _check_cancel(cancel: threading.Event | None) -> None:
+    """Raise :class:`Cancelled` once ``cancel`` is set (between prefill forwards)."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the request was cancelled during its prefill")
+
+
 class HFTarget:
     """A transformers causal LM behind the :class:`~agentspec.interfaces.Target` protocol.
 
@@ -109,6 +117,7 @@ class HFTarget:
         self._cache: Any = None
         self._live: LiveCost | None = None  # built on first use (reads the cost file)
         self._measuring = False  # measure_costs() runs: its forwards are not observed
+        self._retired = False  # the live KV is in the prefix store as it stands (retire())
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -151,9 +160,11 @@ class HFTarget:
         model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
         spill = None
         if config.prefix_spill_bytes and config.prefix_cache_bytes:
-            # KV is only valid for the model (and dtype) that computed it: a folder each.
-            folder = f"{files.name}-{config.dtype}".replace("/", "_")
-            spill = KVSpill(agentspec_home() / "prefix-kv" / folder, config.prefix_spill_bytes)
+            # KV is only valid for the weights (and dtype) that computed it: a folder each,
+            # named by a fingerprint of the files, not by the folder's name alone.
+            folder = f"{files.name}-{folder_fingerprint(files.path)}-{config.dtype}"
+            spill = KVSpill(agentspec_home() / "prefix-kv" / folder.replace("/", "_"),
+                            config.prefix_spill_bytes)
         target = cls(model, tok, files.name, config.dtype, device,
                      PrefixCache(config.prefix_cache_bytes, spill=spill))
         if config.measure_costs:  # here, not inside the first request
@@ -177,6 +188,7 @@ class HFTarget:
 
     def _forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
+        self._retired = False
         with torch.inference_mode():
             kwargs = {self._cache_kw: self._cache}
             out = self.model(
@@ -199,7 +211,8 @@ class HFTarget:
         """Whether :meth:`prefill` reuses KV (a prefix store with a non-zero budget)."""
         return self.prefix_cache is not None and self.prefix_cache.enabled
 
-    def prefill(self, tokens: Sequence[int], *, scope: str | None = None) -> torch.Tensor:
+    def prefill(self, tokens: Sequence[int], *, scope: str | None = None,
+                cancel: threading.Event | None = None) -> torch.Tensor:
         """Start a request: the cache ends up holding ``tokens``; return the last position's
         logits ``[V]``.
 
@@ -209,6 +222,14 @@ class HFTarget:
         the scope's stored blocks hold is reused and only the rest is fed: at least one
         token, so the logits are this request's. :attr:`reused_tokens` says how many
         were reused.
+
+        ``cancel`` is checked before every forward of the prompt: a tail fed in chunks
+        after reused KV stops within one chunk (:data:`PREFILL_CHUNK` tokens) of the event
+        being set. A cold prefill is one forward and cannot be interrupted; the engine
+        checks again right after it. What was fed stays cached (and reusable).
+
+        Raises:
+            Cancelled: ``cancel`` was set before the prompt was fed.
         """
         self.check_fits(len(tokens))
         tokens = list(tokens)
@@ -221,26 +242,35 @@ class HFTarget:
             cache = self._new_cache()
         self._cache = cache
         self._scope = scope
+        self._retired = False
         self._ids = tokens[: self.reused_tokens]
         self._batch_rows = self._tree_tokens = None
         self._tree_n = 0
         if not tokens:
             self._features = torch.zeros(1, 0, int(self.model.config.hidden_size))
             return torch.zeros(self._vocab)
-        logits = self._feed_prompt(tokens[self.reused_tokens :], chunked=self.reused_tokens > 0)
+        logits = self._feed_prompt(tokens[self.reused_tokens :], chunked=self.reused_tokens > 0,
+                                   cancel=cancel)
         self._ids = tokens
         return logits
 
-    def _feed_prompt(self, tokens: list[int], chunked: bool) -> torch.Tensor:
+    def _feed_prompt(self, tokens: list[int], chunked: bool,
+                     cancel: threading.Event | None = None) -> torch.Tensor:
         """Feed prompt ``tokens`` (after the cached ones); the last position's logits
         ``[V]``. A tail after reused KV goes in :data:`PREFILL_CHUNK`-token forwards (a
-        cache-free prefill keeps one forward: it runs the causal kernel)."""
+        cache-free prefill keeps one forward: it runs the causal kernel); ``cancel`` is
+        checked before each."""
         step = PREFILL_CHUNK if chunked else len(tokens)
         if len(tokens) <= step:
+            _check_cancel(cancel)
             return self._forward(tokens, last_only=True)[-1]
         feats = []
         for start in range(0, len(tokens), step):
-            logits = self._forward(tokens[start : start + step], last_only=True)[-1]
+            _check_cancel(cancel)
+            chunk = tokens[start : start + step]
+            logits = self._forward(chunk, last_only=True)[-1]
+            if self._ids is not None:  # in step with the cache: a cancelled prefill's
+                self._ids.extend(chunk)  # fed chunks stay reusable by a retry
             if self._features is not None:
                 feats.append(self._features)
         # last_features() covers every position this prefill fed, as after one forward.
@@ -325,16 +355,28 @@ class HFTarget:
         self.reused_tokens = n
         return cache
 
+    def retire(self) -> None:
+        """Store the live KV of the request that just ended in the prefix store, now.
+
+        The runtime calls it when a request ends (under the model lock, after the request's
+        numbers are taken), so the copy is never part of the next request's timed prefill:
+        that request may be another tenant's, and its reported ``prefill_s`` would otherwise
+        tell it how much the previous tenant sent. :meth:`prefill` still retires a request
+        nobody retired (direct engine use); a second call stores nothing.
+        """
+        self._retire()
+
     def _retire(self) -> None:
         """Store the live KV (the request that just ended) under its scope, when its
-        token ids are known and no tree or batch rows are pending."""
-        if (self._scope is None or self._ids is None or self._cache is None
+        token ids are known, no tree or batch rows are pending and it is not stored yet."""
+        if (self._retired or self._scope is None or self._ids is None or self._cache is None
                 or not self.reuse_enabled or self._tree_n or self._batch_rows is not None
                 or not self._can_reuse() or len(self._ids) != self.num_cached):
             return
         assert self.prefix_cache is not None
         self.prefix_cache.insert(self._scope, self._ids,
                                  [(layer.keys, layer.values) for layer in self._cache.layers])
+        self._retired = True  # until the cache changes (every forward and cut clears it)
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append ``tokens`` in one forward; return their logits ``[len(tokens), V]``."""
@@ -365,6 +407,7 @@ class HFTarget:
             raise ConfigError("score_batch() needs non-empty rows of equal length")
         self.check_fits(self.num_cached + len(rows[0]))
         self._cache.batch_repeat_interleave(len(rows))
+        self._retired = False
         ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=self.device)
         with self._timed(ids.numel()), torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: self._cache})
@@ -412,6 +455,7 @@ class HFTarget:
                              **{self._cache_kw: self._cache})
         self._tree_n = n
         self._tree_tokens = list(tokens)
+        self._retired = False
         return out.logits[0].float().cpu()  # [n, V]
 
     def keep_tree_path(self, path: Sequence[int]) -> None:
@@ -473,6 +517,7 @@ class HFTarget:
         if n:
             # transformers >= 5.2 takes a negative count of positions to remove.
             self._cache.crop(-n)
+            self._retired = False
             if self._batch_rows is not None:  # rows not yet resolved by select_row()
                 if n <= len(self._batch_rows[0]):
                     self._batch_rows = [r[: len(r) - n] for r in self._batch_rows]
@@ -557,10 +602,14 @@ class HFTarget:
     # -- cost measurement ----------------------------------------------------------------
 
     def _cost_key(self) -> str:
+        """The cost file's name: model (name and a fingerprint of its weights, so two models
+        of one name never share curves), dtype, device and machine."""
+
         machine = f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr"
         if self.device == "cuda":
             machine = torch.cuda.get_device_name().replace(" ", "_")
-        return f"{self.name}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
+        model = f"{self.name}-{module_fingerprint(self.model)}"
+        return f"{model}-{self.dtype}-{self.device}-{machine}".replace("/", "_")
 
     def measure_costs(self, context: int = costs.SHORT_CONTEXT,
                       repeats: int = 5, bar: Any = None) -> dict[int, float]:

@@ -13,14 +13,25 @@ prompts produced (a shared prefix would otherwise show up as a faster first toke
 timing side channel). The block also keeps its token ids, so a hash collision can never
 hand out wrong KV (the lookup compares the tokens).
 
-Memory is bounded by ``budget_bytes`` (the blocks' key and value tensors): inserting past
-it evicts the least recently used blocks. Lookups and inserts touch a chain leaf first, so
-a chain's parents are always more recent than its children and evictions take the tails
-of conversations before the system prompt they share.
+Memory is bounded by ``budget_bytes`` (the blocks' key and value tensors), never exceeded,
+not even while inserting. Every block records its scope, and each scope holding blocks has
+a fair share of the budget (budget / number of such scopes). Making room evicts from the
+scope furthest over its share (the scope being inserted into counts with its new block),
+its least recently used block first; a scope within its share is evicted only when every
+scope is (then the least recently used block overall). A tenant flooding the store evicts
+its own blocks, not another tenant's system prompt. Lookups and inserts touch a chain leaf
+first, so within a scope (and overall) a chain's parents are always more recent than its
+children and evictions take the tails of conversations before the system prompt they share.
+
+A chain being inserted or assembled never evicts its own blocks: an insert stops at the
+first block that has no room without doing so, and so does a lookup reading blocks back
+from disk (it returns the prefix it could hold).
 
 With a :class:`~agentspec.targets.kv_spill.KVSpill` every stored block is also written to
-disk (checksummed), and a lookup that misses in memory reads it back: a session's prefix KV
-survives a restart of the process.
+disk (signed, owner-only files; see there), and a lookup that misses in memory reads it
+back: a session's prefix KV survives a restart of the process. Disk faults never reach the
+caller: a failed write leaves the block in memory only, a bad file is a miss (both counted
+in :meth:`PrefixCache.to_dict`: ``spill_write_errors``, ``rejected_blocks``).
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, kv_heads, block
 
 @dataclass
 class _Block:
+    scope: str
     tokens: tuple[int, ...]
     kv: list[LayerKV]
     nbytes: int
@@ -81,8 +93,12 @@ class PrefixCacheStats:
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
 
+def _nbytes(kv: Sequence[LayerKV]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
 class PrefixCache:
-    """KV blocks of token prefixes, per scope, within a byte budget (LRU).
+    """KV blocks of token prefixes, per scope, within a byte budget (fair share, LRU).
 
     Args:
         budget_bytes: Most bytes of key/value tensors held; 0 stores nothing.
@@ -104,6 +120,8 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.block_size = block_size
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
+        self._scopes: dict[str, OrderedDict[bytes, None]] = {}  # each scope's, LRU order
+        self._scope_bytes: dict[str, int] = {}  # only scopes holding blocks
         self.bytes_used = 0
         self.stats = PrefixCacheStats()
         self.spill = spill
@@ -116,6 +134,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def scope_bytes(self, scope: str) -> int:
+        """Bytes of the blocks ``scope`` holds in memory."""
+        return self._scope_bytes.get(scope, 0)
 
     def _keys(self, scope: str, tokens: Sequence[int]) -> list[bytes]:
         """Chained keys of the full blocks of ``tokens`` (``len(tokens) // block_size``)."""
@@ -133,32 +155,37 @@ class PrefixCache:
         """Tokens of ``tokens``' longest stored prefix in ``scope`` (a block multiple)."""
         return len(self._chain(scope, tokens)) * self.block_size
 
-    def _chain(self, scope: str, tokens: Sequence[int]) -> list[_Block]:
-        out: list[_Block] = []
+    def _chain(self, scope: str, tokens: Sequence[int]) -> list[tuple[bytes, _Block]]:
+        """The stored blocks of ``tokens``' longest prefix, read back from disk where they
+        are only there. Making room for those never evicts the chain's own blocks: the
+        chain stops where it would have to."""
+        out: list[tuple[bytes, _Block]] = []
+        own: set[bytes] = set()
         b = self.block_size
         for i, key in enumerate(self._keys(scope, tokens)):
             block_tokens = tuple(tokens[i * b : (i + 1) * b])
             blk = self._blocks.get(key)
             if blk is None and self.enabled and self.spill is not None and key in self.spill:
-                blk = self._restore(key, block_tokens)
+                blk = self._restore(scope, key, block_tokens, own)
             if blk is None or blk.tokens != block_tokens:
                 break
-            out.append(blk)
+            out.append((key, blk))
+            own.add(key)
         return out
 
-    def _restore(self, key: bytes, block_tokens: tuple[int, ...]) -> _Block | None:
-        """Read a spilled block back into memory (``None``: unreadable or too large)."""
+    def _restore(self, scope: str, key: bytes, block_tokens: tuple[int, ...],
+                 own: set[bytes]) -> _Block | None:
+        """Read a spilled block back into memory (``None``: unreadable, or no room without
+        evicting ``own``, the blocks of the chain being assembled)."""
         assert self.spill is not None
         kv = self.spill.load(key, block_tokens, self.device)
         if kv is None:
             return None
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
-        if nbytes > self.budget_bytes:
+        nbytes = _nbytes(kv)
+        if nbytes > self.budget_bytes or not self._make_room(scope, nbytes, own):
             return None
-        self._evict(self.budget_bytes - nbytes)
-        blk = _Block(block_tokens, kv, nbytes)
-        self._blocks[key] = blk
-        self.bytes_used += nbytes
+        blk = _Block(scope, block_tokens, kv, nbytes)
+        self._add(key, blk)
         self.stats.restored_blocks += 1
         return blk
 
@@ -175,19 +202,20 @@ class PrefixCache:
             ``(n, kv)``: ``n`` reused tokens and per layer the keys and values of positions
             ``0..n-1`` (``[1, kv_heads, n, head_dim]``, fresh tensors); ``(0, [])`` on a miss.
         """
-        keys = self._keys(scope, tokens)
         chain = self._chain(scope, tokens)
         n = min(len(chain) * self.block_size, max(0, limit))
         self.record(len(tokens), n)
         if n == 0:
             return 0, []
-        for key in reversed(keys[: len(chain)]):  # leaf first: parents end most recent
-            self._blocks.move_to_end(key)
+        for key, _ in reversed(chain):  # leaf first: parents end most recent
+            if key in self._blocks:
+                self._touch(key)
+        used = [blk for _, blk in chain[: -(-n // self.block_size)]]  # blocks covering n
         with torch.inference_mode():
             kv = [
-                (torch.cat([blk.kv[layer][0] for blk in chain], dim=-2)[..., :n, :],
-                 torch.cat([blk.kv[layer][1] for blk in chain], dim=-2)[..., :n, :])
-                for layer in range(len(chain[0].kv))
+                (torch.cat([blk.kv[layer][0] for blk in used], dim=-2)[..., :n, :],
+                 torch.cat([blk.kv[layer][1] for blk in used], dim=-2)[..., :n, :])
+                for layer in range(len(used[0].kv))
             ]
         return n, kv
 
@@ -195,9 +223,10 @@ class PrefixCache:
         """Store the full blocks of ``tokens`` whose KV ``kv`` holds (per layer keys and
         values ``[1, kv_heads, >= len(tokens), head_dim]``, position i = token i).
 
-        Blocks already stored are only touched; new ones are copied. Least recently used
-        blocks are evicted to stay within the budget (a block larger than the whole budget
-        is not stored).
+        Blocks already stored are only touched; new ones are copied (and written to the
+        spill folder). Room is made by the fair-share policy (see the module docstring);
+        the insert stops at the first block that has no room without evicting this chain's
+        own blocks (or is larger than the whole budget).
 
         Returns:
             Number of blocks newly stored.
@@ -206,56 +235,99 @@ class PrefixCache:
             return 0
         b = self.block_size
         keys = self._keys(scope, tokens)
+        own: set[bytes] = set()  # this chain's blocks: never evicted for its children
         added = 0
         with torch.inference_mode():
             for i, key in enumerate(keys):
                 blk = self._blocks.get(key)
                 block_tokens = tuple(tokens[i * b : (i + 1) * b])
                 if blk is not None and blk.tokens == block_tokens:
-                    self._blocks.move_to_end(key)  # not evicted for its own children
+                    own.add(key)
                     continue
                 parts = [(k[..., i * b : (i + 1) * b, :].clone(),
                           v[..., i * b : (i + 1) * b, :].clone()) for k, v in kv]
-                nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                             for k, v in parts)
+                nbytes = _nbytes(parts)
                 if nbytes > self.budget_bytes:
                     break
                 if blk is not None:  # a hash collision: the newer block replaces it
                     self._drop(key)
-                self._evict(self.budget_bytes - nbytes)  # never over budget, even briefly
-                self._blocks[key] = _Block(block_tokens, parts, nbytes)
-                self.bytes_used += nbytes
+                if not self._make_room(scope, nbytes, own):  # never over budget, even briefly
+                    break
+                self._add(key, _Block(scope, block_tokens, parts, nbytes))
+                own.add(key)
                 added += 1
-                if self.spill is not None:
+                if self.spill is not None:  # never raises on disk faults (counted there)
                     self.spill.save(key, block_tokens, parts)
         for key in reversed(keys):  # leaf first: parents end most recent
             if key in self._blocks:
-                self._blocks.move_to_end(key)
+                self._touch(key)
         self.stats.inserted_blocks += added
         return added
 
+    def _add(self, key: bytes, blk: _Block) -> None:
+        self._blocks[key] = blk
+        self._scopes.setdefault(blk.scope, OrderedDict())[key] = None
+        self._scope_bytes[blk.scope] = self._scope_bytes.get(blk.scope, 0) + blk.nbytes
+        self.bytes_used += blk.nbytes
+
+    def _touch(self, key: bytes) -> None:
+        self._blocks.move_to_end(key)
+        self._scopes[self._blocks[key].scope].move_to_end(key)
+
     def _drop(self, key: bytes) -> None:
         blk = self._blocks.pop(key)
+        lru = self._scopes[blk.scope]
+        del lru[key]
+        if lru:
+            self._scope_bytes[blk.scope] -= blk.nbytes
+        else:
+            del self._scopes[blk.scope], self._scope_bytes[blk.scope]
         self.bytes_used -= blk.nbytes
 
-    def _evict(self, limit: int) -> None:
-        while self.bytes_used > limit and self._blocks:
-            self._drop(next(iter(self._blocks)))
+    def _make_room(self, scope: str, nbytes: int, own: set[bytes]) -> bool:
+        """Evict until ``nbytes`` more fit for ``scope``; ``False`` (nothing more evicted)
+        when only blocks of ``own`` or of scopes within their share are left to take."""
+        while self.bytes_used + nbytes > self.budget_bytes:
+            victim = self._victim(scope, nbytes, own)
+            if victim is None:
+                return False
+            self._drop(victim)
             self.stats.evicted_blocks += 1
+        return True
+
+    def _victim(self, scope: str, nbytes: int, own: set[bytes]) -> bytes | None:
+        """The block to evict next: the LRU block of the scope furthest over its share."""
+        holders = set(self._scopes) | {scope}
+        share = self.budget_bytes / len(holders)
+
+        def held(s: str) -> int:  # the scope being inserted into counts with its new block
+            return self._scope_bytes.get(s, 0) + (nbytes if s == scope else 0)
+
+        over = sorted(((held(s) - share, s) for s in holders if held(s) > share), reverse=True)
+        for _, s in over:
+            key = next((k for k in self._scopes.get(s, ()) if k not in own), None)
+            if key is not None:
+                return key
+        if over:  # only the chain's own blocks are over: it stops, nobody else pays
+            return None
+        return next((k for k in self._blocks if k not in own), None)
 
     def clear(self) -> None:
-        """Drop every block."""
+        """Drop every block (the spill folder keeps its files)."""
         self._blocks.clear()
+        self._scopes.clear()
+        self._scope_bytes.clear()
         self.bytes_used = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary (budget, use, hit rate)."""
+        """A JSON-ready summary (budget, use, hit rate, disk faults)."""
         s = self.stats
         return {
             "budget_bytes": self.budget_bytes,
             "bytes_used": self.bytes_used,
             "blocks": len(self._blocks),
             "block_size": self.block_size,
+            "scopes": len(self._scopes),
             "lookups": s.lookups,
             "hit_tokens": s.hit_tokens,
             "looked_up_tokens": s.looked_up_tokens,
@@ -263,4 +335,8 @@ class PrefixCache:
             "inserted_blocks": s.inserted_blocks,
             "evicted_blocks": s.evicted_blocks,
             "restored_blocks": s.restored_blocks,
+            # Disk copies: files rejected on reading (signature, tokens, layout) and writes
+            # that failed (disk full, I/O errors); both cost recomputation, never an error.
+            "rejected_blocks": self.spill.rejected if self.spill is not None else 0,
+            "spill_write_errors": self.spill.write_errors if self.spill is not None else 0,
         }

@@ -339,3 +339,62 @@ def test_a_tiny_shared_prefix_before_a_long_tail_is_not_reused(reusing: HFTarget
     # The same 8 tokens ahead of a short tail are reused.
     reusing.prefill([*shared, 7, 8, 9], scope="small")
     assert reusing.reused_tokens == 8
+
+
+# -- a chain larger than memory, per-tenant shares ------------------------------------
+
+
+def test_a_stored_chain_larger_than_memory_is_looked_up_without_evicting_itself(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Restoring later blocks of a chain must not evict its earlier ones (they were then
+    touched by key: a KeyError, a 500 for the tenant)."""
+    from agentspec.targets.kv_spill import KVSpill
+
+    tokens = list(range(100, 124))  # 6 blocks of 4
+    kv = _kv(24)
+    PrefixCache(10**7, block_size=4, spill=KVSpill(tmp_path, 10**7)).insert("a", tokens, kv)
+    budget = 3 * _block_bytes(4)  # a "restart" with room for half the chain
+    small = PrefixCache(budget, block_size=4, spill=KVSpill(tmp_path, 10**7))
+    small.insert("b", list(range(8)), _kv(8, seed=1))  # another tenant's request in between
+    n, got = small.lookup("a", [*tokens, 1], limit=100)
+    assert 0 < n < 24 and small.bytes_used <= budget
+    for layer in range(2):
+        assert torch.equal(got[layer][0], kv[layer][0][..., :n, :])
+        assert torch.equal(got[layer][1], kv[layer][1][..., :n, :])
+    assert small.lookup("a", tokens, limit=100)[0] == n and small.stats.restored_blocks > 0
+
+
+def test_a_flooding_tenant_evicts_its_own_blocks_not_anothers() -> None:
+    block = 4
+    budget = 12 * _block_bytes(block)
+    cache = PrefixCache(budget_bytes=budget, block_size=block)
+    system_b = list(range(200, 208))  # tenant b: 2 blocks, well under its share
+    kv_b = _kv(8, seed=99)
+    cache.insert("b", system_b, kv_b)
+    rng = random.Random(4)
+    for conv in range(20):  # tenant a: 80 blocks through a 12-block budget
+        tokens = [rng.randrange(100) for _ in range(16)]
+        cache.insert("a", tokens, _kv(16, seed=conv))
+        assert cache.bytes_used <= budget
+        assert cache.match("b", system_b) == 8  # (match touches nothing)
+    assert cache.stats.evicted_blocks > 0
+    n, got = cache.lookup("b", [*system_b, 1], limit=100)
+    assert n == 8 and torch.equal(got[0][0], kv_b[0][0])
+    # A new tenant still gets room: the one over its share pays.
+    assert cache.insert("c", list(range(8)), _kv(8)) == 2
+    assert cache.match("b", system_b) == 8 and cache.match("c", list(range(8))) == 8
+    assert cache.scope_bytes("b") == 2 * _block_bytes(block)
+
+
+def test_the_fair_share_keeps_the_leaf_first_order_within_a_scope() -> None:
+    block = 4
+    budget = 8 * _block_bytes(block)
+    cache = PrefixCache(budget_bytes=budget, block_size=block)
+    shared = list(range(8))
+    rng = random.Random(2)
+    cache.insert("b", list(range(50, 58)), _kv(8))
+    for conv in range(10):
+        cache.insert("a", shared + [rng.randrange(100, 200) for _ in range(8)],
+                     _kv(16, seed=conv))
+        assert cache.match("a", shared) == 8  # a's system prompt outlives its tails
+    assert cache.match("b", list(range(50, 58))) == 8

@@ -463,3 +463,45 @@ def test_queue_limit_and_cancelled_jobs() -> None:
         assert len(rt.calls) == 1
 
     asyncio.run(scenario())
+
+
+def test_a_turn_the_store_refuses_is_answered_flagged_and_counted(tmp_path: Path) -> None:
+    """The client gets its answer with ``agentspec.stored: false``; ``/metrics`` counts the
+    failure by operation and reason (every reason exposed at 0 from the start)."""
+    from agentspec.storage.sessions import SessionStore, StoreConfig
+
+    with SessionStore(tmp_path / "s.sqlite3", StoreConfig(max_tokens_per_session=4)) as store:
+        rt = FakeRuntime(store)
+        client = TestClient(create_app(rt), client=LOCAL)
+        model = ("model_name", "fake-model")
+
+        def failures(reason: str) -> float:
+            samples = _samples(client.get("/metrics").text)
+            return samples[("agentspec:store_failures_total",
+                            frozenset({model, ("op", "append"), ("reason", reason)}))]
+
+        assert failures("too_large") == 0
+        resp = client.post("/v1/chat/completions", json=_body(), headers={"X-Session-Id": "s1"})
+        assert resp.status_code == 200 and resp.json()["agentspec"]["stored"] is False
+        assert failures("too_large") == 1 and failures("busy") == 0
+        anon = client.post("/v1/chat/completions", json=_body())  # no session: nothing to store
+        assert anon.json()["agentspec"]["stored"] is None
+
+
+def test_metrics_count_rejected_and_unwritten_kv_blocks(tmp_path: Path) -> None:
+    from agentspec.targets.kv_spill import KVSpill
+    from agentspec.targets.prefix_cache import PrefixCache
+
+    spill = KVSpill(tmp_path / "kv", 10**6)
+    m, cache = Metrics("m"), PrefixCache(budget_bytes=4096, block_size=2, spill=spill)
+    m.watch_prefix_cache(cache)
+    kv = [(torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8))]
+    cache.insert("t", [5, 6, 7, 8], kv)
+    for f in (tmp_path / "kv").glob("*.kv"):
+        f.write_bytes(b"forged" + f.read_bytes()[6:])
+    fresh = PrefixCache(budget_bytes=4096, block_size=2, spill=spill)  # memory empty
+    assert fresh.lookup("t", [5, 6, 7, 8, 9], 5)[0] == 0  # forged blocks are misses
+    samples = _samples(m.render())
+    key = ("agentspec:prefix_cache_disk_faults_total", frozenset({("model_name", "m"),
+                                                                  ("kind", "rejected")}))
+    assert samples[key] >= 1

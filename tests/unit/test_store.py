@@ -370,3 +370,42 @@ def test_cli_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     out = _cli(tmp_path, "--store", str(path), "--recover", "stats", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["recovered"] is True
     assert "moved it to" in out.stderr
+
+
+def test_the_whole_store_is_bounded_in_tokens_and_the_heaviest_tenant_pays(
+    tmp_path: Path,
+) -> None:
+    """``max_total_tokens`` bounds the file's size; the tenant holding the most tokens loses
+    its least recently used sessions, a light tenant keeps its history."""
+    cfg = StoreConfig(max_total_tokens=1000)
+    with SessionStore(tmp_path / "s.sqlite3", cfg) as store:
+        light = SessionRef("l1", tenant="light")
+        store.append_turn(light, list(range(100)))
+        for i in range(12):
+            store.append_turn(SessionRef(f"h{i}", tenant="heavy"), list(range(150)))
+            assert store.stats()["tokens"] <= 1000
+        assert store.load(light) == [list(range(100))]
+        kept = {s.session_id for s in store.list_sessions("heavy")}
+        assert kept == {f"h{i}" for i in range(6, 12)}  # the newest: 6 x 150 + 100 <= 1000
+    with pytest.raises(ConfigError, match="max_total_tokens"):
+        StoreConfig(max_total_tokens=0)
+
+
+def test_store_files_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    """Every tenant's token ids are in the file: created 0600 in a 0700 folder whatever
+    the umask (SQLite gives the WAL the file's mode); an existing 0644 file is tightened."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "home" / "sub" / "s.sqlite3"
+        with SessionStore(path) as store:
+            store.append_turn(SessionRef("s"), [1, 2, 3])
+            for f in (path, Path(f"{path}-wal")):
+                assert f.stat().st_mode & 0o777 == 0o600, f
+        for folder in (tmp_path / "home", tmp_path / "home" / "sub"):
+            assert folder.stat().st_mode & 0o777 == 0o700
+        os.chmod(path, 0o644)
+        with SessionStore(path) as store:
+            assert store.load(SessionRef("s")) == [[1, 2, 3]]
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

@@ -38,6 +38,7 @@ pure-Python suffix automaton otherwise (:mod:`agentspec.drafters.suffix.index`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -59,6 +60,7 @@ from agentspec.drafters.suffix.levels import (
     scope_key,
     visible_keys,
 )
+from agentspec.errors import AgentSpecError
 from agentspec.interfaces import TurnStore
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -66,6 +68,7 @@ from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 __all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "scope_key",
            "visible_keys"]
 
+log = logging.getLogger(__name__)
 
 _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
 # Finished request indexes kept for their session's next request, in tokens (~150 MB with
@@ -380,16 +383,25 @@ class SuffixDrafter:
                 pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
                                                          cfg.max_tokens))
             self._pools.move_to_end(key)
-            if ref.session_id not in pool.sessions:
-                pool.sessions.add(ref.session_id)
+            # A one-off request's session was never stored: nothing to load or remember.
+            if not ref.ephemeral and ref.session_id not in pool.sessions:
                 missing.append(pool)
             out.append((key[0], pool))
         keep = set(visible_keys(ref, cfg.scope))
         while len(self._pools) > cfg.max_scopes:
             self._evict_pool(keep)
         if missing and self.store is not None:
+            try:
+                stored = self.store.load(ref)
+            except AgentSpecError as exc:
+                # Draft without the stored history (slower, never wrong); the session stays
+                # unloaded, so its next request reads the store again.
+                log.warning("stored turns of session %s not loaded: %s", ref, exc)
+                return out
+            for pool in missing:
+                pool.mark_loaded(ref.session_id)
             prev: list[int] = []
-            for turn in self.store.load(ref):
+            for turn in stored:
                 cur = [int(t) for t in turn]
                 new = self._novel(prev, cur)
                 for pool in missing:  # built when read (this request reads some now)

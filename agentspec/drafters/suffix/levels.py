@@ -6,7 +6,7 @@ See :mod:`agentspec.drafters.suffix.drafter` for how they fit together.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from agentspec.drafters.suffix.index import Speculation, Tree
@@ -111,6 +111,9 @@ class Calibration:
 # built over several steps (~0.16 s each at ~2.5 us per token) instead of in one stall.
 FLUSH_TOKENS = 1 << 16
 
+#: Session ids one history index remembers as loaded from the store (LRU beyond it).
+MAX_LOADED_SESSIONS = 16_384
+
 
 class Pool:
     """One history index and the turns it holds (oldest first, for eviction).
@@ -128,7 +131,11 @@ class Pool:
         self.tree = tree
         self.turns: deque[tuple[str, int, int]] = deque()  # (session id, seq id, tokens)
         self.tokens = 0
-        self.sessions: set[str] = set()  # sessions whose stored turns are loaded
+        # Sessions whose stored turns are loaded, oldest first; bounded (MAX_LOADED_SESSIONS):
+        # a tenant opening session after session must not grow it forever. A session
+        # forgotten here and seen again reloads its turns (a duplicate in the tree: it
+        # shifts counts, never a verified token).
+        self.sessions: OrderedDict[str, None] = OrderedDict()
         self.pending: deque[tuple[int, list[int]]] = deque()  # (seq id, tokens), oldest first
         self.pending_tokens = 0
 
@@ -182,7 +189,14 @@ class Pool:
             self._discard(sid, n)
             self.tokens -= n
         self.turns = deque(t for t in self.turns if t[0] != session_id)
-        self.sessions.discard(session_id)
+        self.sessions.pop(session_id, None)
+
+    def mark_loaded(self, session_id: str) -> None:
+        """Note that ``session_id``'s stored turns are in this index (bounded LRU)."""
+        self.sessions[session_id] = None
+        self.sessions.move_to_end(session_id)
+        while len(self.sessions) > MAX_LOADED_SESSIONS:
+            self.sessions.popitem(last=False)
 
 
 def lazy_levels(pools: list[tuple[str, Pool]]) -> list[bool]:
