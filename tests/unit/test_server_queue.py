@@ -94,6 +94,15 @@ def _wait_for(predicate: Any, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def _occupy(rt: FakeRuntime, url: str) -> threading.Thread:
+    """Send a WAIT request from a thread and return once the model runs it (busy until
+    ``rt.release``)."""
+    blocker = threading.Thread(target=lambda: httpx.post(url, json=_body("WAIT"), timeout=30))
+    blocker.start()
+    _wait_for(lambda: rt.calls, "WAIT never started")
+    return blocker
+
+
 # -- a tenant's share of the queue -----------------------------------------------------------
 
 
@@ -207,10 +216,7 @@ def test_over_http_clients_that_leave_the_queue_free_it_before_the_model_is_free
     rt.wait_s = 120  # WAIT outlasts the check below: the slots must come back before it ends
     with serving(rt, ServerConfig(max_waiting=2)) as srv:
         url = f"{srv.base_url}/chat/completions"
-        blocker = threading.Thread(target=lambda: httpx.post(url, json=_body("WAIT"),
-                                                             timeout=30))
-        blocker.start()
-        _wait_for(lambda: rt.calls, "WAIT never started")
+        blocker = _occupy(rt, url)
 
         def leave(text: str) -> None:
             with pytest.raises(httpx.ReadTimeout):  # queued behind WAIT, the client gives up
@@ -264,10 +270,7 @@ def test_a_request_that_waited_past_max_queue_wait_gets_a_503_without_running() 
     rt = FakeRuntime()
     with serving(rt, ServerConfig(max_queue_wait_s=0.2)) as srv:
         url = f"{srv.base_url}/chat/completions"
-        blocker = threading.Thread(target=lambda: httpx.post(url, json=_body("WAIT"),
-                                                             timeout=30))
-        blocker.start()
-        _wait_for(lambda: rt.calls, "WAIT never started")
+        blocker = _occupy(rt, url)
         answer: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: answer.append(httpx.post(
             url, json=_body("too late"), timeout=30)))
