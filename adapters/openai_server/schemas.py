@@ -21,6 +21,12 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Longest stop sequence (characters). Each decode step tries every prefix of every stop
+# against the answer's tail (agentspec.engine's streaming hold-back: work quadratic in the
+# stop's length, on the thread serving all requests), and a streamed answer holds back up
+# to a stop's length minus one character; 256 covers every end-of-answer marker and
+# tool-call tag in use (tens of characters) with room.
+MAX_STOP_CHARS = 256
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -141,6 +147,10 @@ class ChatCompletionRequest(_Lenient):
                 raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
             if any(not s for s in stops):
                 raise ValueError("stop sequences must be non-empty")
+            for i, s in enumerate(stops):
+                if len(s) > MAX_STOP_CHARS:
+                    raise ValueError(f"stop sequence {i} is {len(s)} characters long; the "
+                                     f"limit is {MAX_STOP_CHARS}")
         return stops
 
     @field_validator("tool_choice")
