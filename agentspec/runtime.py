@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.checks import check_stops
 from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar
@@ -217,6 +218,7 @@ class Runtime:
         so a caller on another thread need not wait for the next delta.
         """
         spec = spec or self.default_spec
+        check_stops(stop)  # before any work: a long stop costs every decode step
         sampling = sampling or spec.verifier.sampling()
         constraint = self.constraint_for(tools, tool_choice, response_format, spec)
         # Under a tool grammar the grammar writes the call's opening; no forced prefix.

@@ -57,7 +57,9 @@ PARAMS: dict[str, Param] = {
     "messages": _impl("system/developer/user/assistant/tool turns, text content"),
     "max_tokens": _impl("completion token limit (capped by the server's limit)"),
     "max_completion_tokens": _impl("newer name of max_tokens; wins when both are set"),
-    "stop": _impl("up to 4 stop sequences; output ends before the first"),
+    "stop": _impl(
+        "up to 4 stop sequences of at most 256 characters each; output ends before the first"
+    ),
     "stream": _impl("server-sent events in OpenAI's chunk format"),
     "stream_options": _impl("include_usage adds the final usage chunk"),
     "temperature": _impl("0 (default here) is greedy; > 0 samples losslessly"),
@@ -133,21 +135,39 @@ def check_params(body: dict[str, Any]) -> None:
 
 
 def check_structured(request: Any, raw_tools: list[dict[str, Any]] | None) -> None:
-    """Reject a ``response_format`` or ``tool_choice`` that cannot become a grammar, before
-    the request is queued (400 naming the parameter).
+    """Reject a ``response_format`` or ``tool_choice`` that cannot become a grammar, or a
+    grammar past the compile bounds (:class:`~agentspec.chat.grammar_sources.GrammarLimits`),
+    before the request is queued (400 naming the parameter), so no compile work is queued
+    behind other requests for it.
 
     Raises:
-        APIError: a bad ``response_format`` type or schema, or a forced tool that is not
-            bound.
+        APIError: a bad ``response_format`` type or schema, a forced tool that is not
+            bound, or a ``response_format`` schema / tool set past a bound (``param``
+            ``response_format`` / ``tools``).
     """
-    from agentspec.chat.grammar_sources import response_format_grammar, tool_call_grammar
+    from agentspec.chat.grammar_sources import (
+        GrammarLimitError,
+        check_grammar,
+        response_format_grammar,
+        tool_call_grammar,
+    )
     from agentspec.errors import GrammarError
 
     try:
-        response_format_grammar(request.response_format)
+        grammar = response_format_grammar(request.response_format)
+        if grammar is not None:
+            check_grammar(grammar)
     except GrammarError as exc:
         raise bad_request(str(exc), "response_format") from None
+    if request.tool_choice == "none":
+        return  # no tool grammar is compiled
     try:
-        tool_call_grammar(raw_tools, request.tool_choice)
+        # The tool grammar in the fallback format: the model's own format lays out the
+        # same schemas, so the bounds hold for it too within a few bytes of tags.
+        grammar = tool_call_grammar(raw_tools, request.tool_choice)
+        if grammar is not None:
+            check_grammar(grammar)
+    except GrammarLimitError as exc:
+        raise bad_request(str(exc), "tools") from None
     except GrammarError as exc:
         raise bad_request(str(exc), "tool_choice") from None

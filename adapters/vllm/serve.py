@@ -8,9 +8,10 @@
 Same routes, API keys, tenants and ``X-Session-Id`` sessions as ``agentspec serve`` (its
 argument parser is reused); the model runs in vLLM (tensor / pipeline parallel, Ray) and
 drafts with vLLM's methods or agentspec's session cache (``--proposer agentspec``), keyed
-by the tenant and session of every request. ``--store`` persists finished turns from the
-proposer (``AGENTSPEC_VLLM_STORE``); without it session histories live in the workers'
-memory.
+by the tenant and session of every request; vLLM's prefix cache is salted per tenant
+(:mod:`adapters.vllm.cache_salt`), so tenants never share KV. ``--store`` persists
+finished turns from the proposer (``AGENTSPEC_VLLM_STORE``); without it session histories
+live in the workers' memory.
 """
 
 from __future__ import annotations

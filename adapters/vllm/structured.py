@@ -6,7 +6,9 @@ The requests are the embedded runtime's (:meth:`agentspec.runtime.Runtime.constr
 ``json`` options; a tool-call grammar (forced calls, or a call under ``auto``) is passed as
 the same llguidance Lark text the embedded engine uses, which vLLM compiles with its
 ``guidance`` backend (xgrammar cannot read ``%json``; vLLM's ``auto`` backend falls back to
-guidance for it). vLLM applies the grammar inside its own speculative decoding.
+guidance for it). vLLM applies the grammar inside its own speculative decoding. Grammars
+and schemas are held to the embedded runtime's bounds
+(:class:`~agentspec.chat.grammar_sources.GrammarLimits`) before vLLM compiles them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentspec.chat.formats import ToolFormat
-from agentspec.chat.grammar_sources import tool_call_grammar
+from agentspec.chat.grammar_sources import check_grammar, json_grammar, tool_call_grammar
 from agentspec.errors import GrammarError
 from agentspec.spec import AgentSpec
 
@@ -33,11 +35,13 @@ def structured_output_kwargs(
     grammars in the model's ``tool_format`` (default: the fallback's).
 
     Raises:
-        GrammarError: a bad ``response_format`` or ``tool_choice``.
+        GrammarError: a bad ``response_format`` or ``tool_choice``, or
+            :class:`~agentspec.chat.grammar_sources.GrammarLimitError`: a grammar or schema
+            past the compile bounds.
     """
     forced = tool_choice not in (None, "auto", "none")
     if forced and spec.constrained_tool_calls:
-        return {"grammar": tool_call_grammar(tools, tool_choice, tool_format)}
+        return {"grammar": _bounded(tool_call_grammar(tools, tool_choice, tool_format))}
     if not forced and response_format is not None:
         fmt = (response_format.model_dump(by_alias=True, exclude_none=True)
                if hasattr(response_format, "model_dump") else response_format)
@@ -49,6 +53,9 @@ def structured_output_kwargs(
             if not isinstance(schema, dict):
                 raise GrammarError("response_format.json_schema.schema must be a JSON schema "
                                    f"object, got {schema!r}")
+            # Bounded as the embedded runtime's grammar for the same schema (vLLM compiles
+            # the schema itself, with the same superlinear features).
+            check_grammar(json_grammar(schema, flexible=True))
             return {"json": schema}
         if kind not in (None, "text"):
             raise GrammarError(f"response_format.type {kind!r} is not supported; use 'text', "
@@ -56,5 +63,11 @@ def structured_output_kwargs(
     if not forced and spec.constrained_tool_calls:
         grammar = tool_call_grammar(tools, tool_choice, tool_format)
         if grammar is not None:
-            return {"grammar": grammar}
+            return {"grammar": _bounded(grammar)}
     return None
+
+
+def _bounded(grammar: str | None) -> str | None:
+    if grammar is not None:
+        check_grammar(grammar)
+    return grammar

@@ -14,9 +14,38 @@ from typing import Any
 
 from agentspec.errors import ConfigError
 
-__all__ = ["check_tool_replies", "check_tool_schemas"]
+__all__ = ["MAX_STOP", "MAX_STOP_CHARS", "check_stops", "check_tool_replies",
+           "check_tool_schemas"]
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Longest stop sequence (characters). Each decode step tries every prefix of every stop
+# against the answer's tail (agentspec.engine's streaming hold-back: work quadratic in the
+# stop's length, on the thread serving all requests), and a streamed answer holds back up
+# to a stop's length minus one character; 256 covers every end-of-answer marker and
+# tool-call tag in use (tens of characters) with room.
+MAX_STOP_CHARS = 256
 
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def check_stops(stops: Sequence[str], max_stops: int = MAX_STOP) -> None:
+    """A request's stop sequences: at most ``max_stops``, each non-empty and bounded.
+
+    Args:
+        stops: The caller's stop sequences (not the tool format's own, which are trusted).
+        max_stops: How many a caller may pass (OpenAI allows four).
+
+    Raises:
+        ConfigError: naming the sequence at fault and the bound.
+    """
+    if len(stops) > max_stops:
+        raise ConfigError(f"at most {max_stops} stop sequences are allowed, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if not isinstance(s, str) or not s:
+            raise ConfigError(f"stop sequence {i} must be a non-empty string, got {s!r}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ConfigError(f"stop sequence {i} is {len(s)} characters long; the limit is "
+                              f"{MAX_STOP_CHARS}")
 
 
 def check_tool_replies(messages: Sequence[dict[str, Any]]) -> None:

@@ -25,7 +25,11 @@ xgrammar fills a mask faster (0.008 vs 0.08 ms per token) but its wheel requires
 0.5 % of a forward, so the smaller install wins (numbers in ``docs/structured-outputs.md``).
 
 Grammars are llguidance Lark text; :mod:`agentspec.chat.grammar_sources` builds them from JSON
-schemas, ``response_format`` and tool schemas.
+schemas, ``response_format`` and tool schemas. A grammar is client input compiled on the
+serving thread, so :meth:`GrammarCompiler.constraint` bounds it first
+(:class:`~agentspec.chat.grammar_sources.GrammarLimits`: bytes and the schema features whose
+compile time grows fastest, checked before compiling; llguidance's fuel and size counters
+while it compiles) and raises :class:`~agentspec.errors.GrammarError` past a bound.
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentspec.chat.grammar_sources import DEFAULT_GRAMMAR_LIMITS, GrammarLimits, check_grammar
 from agentspec.errors import GrammarError
 from agentspec.types import Draft, VerifyResult
+
+# Longest llguidance error text put into a GrammarError: its messages may quote the grammar.
+_MAX_ERROR_CHARS = 500
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + " ..."
 
 
 @dataclass
@@ -95,7 +107,7 @@ class GrammarConstraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise GrammarError(f"grammar state is invalid: {self.matcher.get_error()}")
+            raise GrammarError(f"grammar state is invalid: {_short(self.matcher.get_error())}")
 
     def prepare(self, draft: Draft) -> Draft:
         """Fill the masks of the rows to verify; return the draft cut at its first
@@ -193,15 +205,20 @@ class GrammarCompiler:
     Args:
         make_tokenizer: Returns the ``llguidance.LLTokenizer`` (called once).
         vocab_size: The target's logits per row.
+        limits: Bounds on every grammar it compiles (default: :data:`DEFAULT_GRAMMAR_LIMITS
+            <agentspec.chat.grammar_sources.DEFAULT_GRAMMAR_LIMITS>`).
     """
 
-    def __init__(self, make_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+    def __init__(self, make_tokenizer: Callable[[], Any], vocab_size: int,
+                 limits: GrammarLimits | None = None) -> None:
         self._make = make_tokenizer
         self._tok: Any = None
         self.vocab_size = vocab_size
+        self.limits = limits or DEFAULT_GRAMMAR_LIMITS
 
     @classmethod
-    def from_hf(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+    def from_hf(cls, tokenizer: Any, vocab_size: int,
+                limits: GrammarLimits | None = None) -> GrammarCompiler:
         """A compiler for a Hugging Face (fast) tokenizer."""
 
         def make() -> Any:
@@ -209,11 +226,12 @@ class GrammarCompiler:
 
             return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
-        return cls(make, vocab_size)
+        return cls(make, vocab_size, limits)
 
     @classmethod
     def from_tokens(
-        cls, tokens: Sequence[bytes], eos_token_id: int, special: Sequence[int] = ()
+        cls, tokens: Sequence[bytes], eos_token_id: int, special: Sequence[int] = (),
+        limits: GrammarLimits | None = None,
     ) -> GrammarCompiler:
         """A compiler for a plain byte vocabulary (token i is ``tokens[i]``); special
         tokens (EOS among them) never match grammar text."""
@@ -236,7 +254,7 @@ class GrammarCompiler:
             return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()),
                                           n_vocab=len(tokens))
 
-        return cls(make, len(tokens))
+        return cls(make, len(tokens), limits)
 
     @property
     def tokenizer(self) -> Any:
@@ -248,14 +266,22 @@ class GrammarCompiler:
     def constraint(self, grammar: str) -> GrammarConstraint:
         """A fresh request constraint for llguidance Lark ``grammar``.
 
+        The grammar is checked against :attr:`limits` first (no compile work for a grammar
+        past a bound), then compiled under llguidance's counters from the same limits (its
+        compiler stops once one is spent, and so does each later mask computation).
+
         Raises:
-            GrammarError: the grammar does not compile (the message says where).
+            GrammarError: the grammar does not compile (the message says where), or
+                :class:`~agentspec.chat.grammar_sources.GrammarLimitError`: it is past a
+                bound (the message names it).
         """
         import llguidance
 
+        check_grammar(grammar, self.limits)
         matcher = llguidance.LLMatcher(
-            self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+            self.tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0,
+            limits=self.limits.llguidance(),
         )
         if matcher.is_error():
-            raise GrammarError(f"invalid grammar: {matcher.get_error()}")
+            raise GrammarError(f"invalid grammar: {_short(matcher.get_error())}")
         return GrammarConstraint(matcher, self.vocab_size)

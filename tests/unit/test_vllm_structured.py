@@ -51,6 +51,21 @@ def test_auto_and_opt_out() -> None:
     assert structured_output_kwargs([TOOL], "none", None, SPEC) is None
 
 
+def test_grammars_past_the_compile_bounds_never_reach_vllm() -> None:
+    """vLLM compiles what it is handed on its engine thread: schemas and tool grammars are
+    held to the embedded runtime's GrammarLimits first (issue 35 item 9)."""
+    patterned = {"type": "object", "patternProperties": {
+        f"^p{i}[a-z]+$": {"type": "string"} for i in range(300)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": patterned}}
+    with pytest.raises(GrammarError, match="max_pattern_properties"):
+        structured_output_kwargs(None, None, fmt, SPEC)
+    wide = {"type": "function", "function": {"name": "wide", "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1500)}}}}
+    for choice in ("required", "auto"):
+        with pytest.raises(GrammarError, match="max_object_properties"):
+            structured_output_kwargs([wide], choice, None, SPEC)
+
+
 def test_sampling_params_carry_structured_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm = ModuleType("vllm")
     sampling_params = ModuleType("vllm.sampling_params")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.vllm.cache_salt import engine_prompt
 from adapters.vllm.request_ids import encode_request_id
 from agentspec.errors import ConfigError
 from agentspec.types import SessionRef
@@ -110,7 +111,7 @@ def run_concurrent(
             prompt, prefix = rt.prompt_ids(req.messages, req.tools, None, prefix)
         stop = [*req.stop, *rt.tool_format.stop] if req.tools else list(req.stop)
         rid = encode_request_id(ref)
-        rt.engine.add_request(rid, {"prompt_token_ids": prompt},
+        rt.engine.add_request(rid, engine_prompt(prompt, ref),
                               sampling(min(req.max_tokens, max_tokens), stop))
         flying[rid] = (workload, _Flight(ref, sess, turn + 1, prefix, len(prompt),
                                          time.perf_counter(), len(run.turns)))
