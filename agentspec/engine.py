@@ -33,6 +33,7 @@ from agentspec.interfaces import (
     Constraint,
     Drafter,
     FeatureDrafter,
+    FeatureReuseTarget,
     FeatureTarget,
     PositionLimited,
     PrefixReuseTarget,
@@ -342,13 +343,19 @@ class SpeculativeDecoder:
             # Prefill everything but the last prompt token: it is the first `pending` token,
             # so the very first step can already verify a draft. The tenant scopes prefix KV
             # reuse (never across tenants); a drafter reading the target's hidden states needs
-            # every prompt position fed, so it turns reuse off.
+            # a row for every prompt position, so it reuses only where the target keeps the
+            # reused positions' rows (else reuse is off).
             link = self._feature_link()
-            scope = session.tenant if session is not None and link is None else None
+            keeps = (link is not None and isinstance(self.target, FeatureReuseTarget)
+                     and self.target.reuse_keeps_features)
+            scope = session.tenant if session is not None and (link is None or keeps) else None
             _check_cancel(cancel)
-            # Only a caller that cancels needs a target taking `cancel` (HFTarget does).
-            self.target.prefill(list(prompt[:-1]), scope=scope,
-                                **({"cancel": cancel} if cancel is not None else {}))
+            # Only a caller that cancels needs a target taking `cancel` (HFTarget does), and
+            # only a feature link a target taking `features`.
+            kwargs: dict[str, object] = {"cancel": cancel} if cancel is not None else {}
+            if keeps and scope is not None:
+                kwargs["features"] = True
+            self.target.prefill(list(prompt[:-1]), scope=scope, **kwargs)
             if isinstance(self.target, PrefixReuseTarget):
                 stats.cached_prompt_tokens = self.target.reused_tokens
             if link is not None:

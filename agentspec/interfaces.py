@@ -6,7 +6,8 @@ Terms:
 * **target**: the model being accelerated; it holds a KV cache of the tokens fed so far.
   Required: :class:`Target`. Optional capabilities the engine checks with ``isinstance``:
   :class:`PositionLimited` (a context window), :class:`PrefixReuseTarget` (prompt
-  prefixes' KV reused across requests of a tenant), :class:`BatchTarget` (K cache rows scored in
+  prefixes' KV reused across requests of a tenant; :class:`FeatureReuseTarget`: with the
+  hidden states of the reused positions), :class:`BatchTarget` (K cache rows scored in
   one forward: tree drafts, multi-draft) and :class:`FeatureTarget` (hidden states).
 * **drafter**: a source of draft tokens (:class:`Drafter`); optional capabilities:
   :class:`MultiDrafter` (K i.i.d. drafts), :class:`FeatureDrafter` (drafts from the target's
@@ -131,6 +132,25 @@ class PrefixReuseTarget(Target, Protocol):
 
 
 @runtime_checkable
+class FeatureReuseTarget(PrefixReuseTarget, Protocol):
+    """A prefix-reusing target that keeps the final hidden states of the reused positions
+    with their KV, so a request whose drafter reads them (an EAGLE head needs a row for
+    every prompt position) can reuse a prefix too."""
+
+    @property
+    def reuse_keeps_features(self) -> bool:
+        """Whether ``prefill(..., features=True)`` reuses prefixes with their rows."""
+        ...
+
+    def prefill(self, tokens: Sequence[int], *, scope: str | None = None,
+                features: bool = False) -> torch.Tensor:
+        """As :meth:`Target.prefill`; with ``features`` only a prefix whose rows are kept
+        is reused, and :meth:`FeatureTarget.last_features` then covers every position
+        of ``tokens``, as after a prefill without reuse."""
+        ...
+
+
+@runtime_checkable
 class BatchTarget(Target, Protocol):
     """A target that scores K continuations of its cached prefix in one forward (tree
     drafts' branches, multi-draft's K drafts)."""
@@ -249,7 +269,9 @@ class FeatureTarget(Protocol):
 
     def last_features(self) -> torch.Tensor:
         """The final-norm hidden states ``[n, H]`` of the positions fed by the latest
-        :meth:`Target.prefill` / :meth:`Target.score` (the kept row after a batch)."""
+        :meth:`Target.prefill` / :meth:`Target.score` (the kept row after a batch); after a
+        :class:`FeatureReuseTarget`'s ``prefill(..., features=True)``, of every position
+        of the prompt, the reused ones included."""
         ...
 
 

@@ -85,6 +85,9 @@ def add_train_drafter_parser(sub: Any) -> None:
     p.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help=f"rows of the reduced head (default {d.draft_vocab})")
+    p.add_argument("--head-intermediate", type=int, default=None,
+                   help="--kind eagle: MLP width of the head (default: the target's; a "
+                        "narrower head trains faster on a CPU and ships smaller)")
     p.add_argument("--teacher-cache", type=Path, default=None,
                    help="reuse the teacher data stored in this file, or store it there after "
                         "collecting (lets a second run spend its whole budget training)")
@@ -247,7 +250,8 @@ def _train_eagle(args: argparse.Namespace, cfg: TrainDrafterConfig, model: Any, 
     else:
         vocab = int(model.get_input_embeddings().weight.shape[0])
         draft_vocab = choose_draft_vocab(seqs, cfg.draft_vocab, vocab, eos)
-        spec = HeadSpec.for_target(model, draft_vocab, name, embedding_checksum(model))
+        spec = HeadSpec.for_target(model, draft_vocab, name, embedding_checksum(model),
+                                   intermediate=args.head_intermediate)
         head = build_head(model, spec)
         head.init_identity(cfg.seed)
     full = model.get_output_embeddings().weight.detach().float()  # [V, H]

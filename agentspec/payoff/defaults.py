@@ -21,6 +21,8 @@ from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, T
 from agentspec.payoff.predictor import PayoffPredictor, PredictorError, tokenizer_fingerprint
 
 DEFAULT_PREDICTOR = Path(__file__).with_name("default_predictor.json")
+# Predictors trained for other shipped models, one ``<model name>.json`` each.
+PACKAGED_PREDICTORS = Path(__file__).parent.parent / "data" / "predictors"
 POLICIES = ("cost_aware", "threshold", "arctic_rule")
 
 _tables: dict[int, TokenTable] = {}
@@ -46,19 +48,39 @@ def token_table(target: Any) -> TokenTable:
         return _tables[key]
 
 
+def predictor_path(target: Any) -> Path:
+    """The predictor :func:`load_predictor` uses for ``target`` when given no path.
+
+    First the user's own (``agentspec train-predictor`` writes
+    ``$AGENTSPEC_HOME/payoff/<model>.json``), then the one shipped for this model
+    (``agentspec/data/predictors/<model>.json``), then the embedded model's default.
+    """
+    from agentspec.models import agentspec_home
+
+    name = str(getattr(target, "name", "") or "")
+    if name and "/" not in name and name not in (".", ".."):
+        for folder in (agentspec_home() / "payoff", PACKAGED_PREDICTORS):
+            candidate = folder / f"{name}.json"
+            if candidate.is_file():
+                return candidate
+    return DEFAULT_PREDICTOR
+
+
 def load_predictor(target: Any, path: Path | None = None) -> PayoffPredictor:
-    """The predictor at ``path`` (default: the shipped one), checked against ``target``
-    (as in :func:`token_table`: a target, or anything with ``vocab_size`` and ``tokenizer``).
+    """The predictor at ``path`` (default: :func:`predictor_path`), checked against
+    ``target`` (as in :func:`token_table`: a target, or anything with ``vocab_size`` and
+    ``tokenizer``).
 
     Raises:
         PredictorError: missing/malformed file, or trained for another vocabulary or
             tokenizer (the message names both).
     """
-    pred = PayoffPredictor.load(path or DEFAULT_PREDICTOR)
+    path = path or predictor_path(target)
+    pred = PayoffPredictor.load(path)
     vocab = pred.meta.get("vocab_size")
     if vocab is not None and vocab != target.vocab_size:
         raise PredictorError(
-            f"payoff predictor {str(path or DEFAULT_PREDICTOR)!r} was trained for "
+            f"payoff predictor {str(path)!r} was trained for "
             f"vocab_size={vocab}, the target has {target.vocab_size}; run "
             "`agentspec train-predictor` for this model"
         )

@@ -24,6 +24,7 @@ import torch
 from agentspec.errors import Cancelled, ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
 from agentspec.targets import attention, costs, linear
+from agentspec.targets.block_features import FeatureLog
 from agentspec.targets.cost_curves import CostCurves
 from agentspec.targets.fingerprint import folder_fingerprint, module_fingerprint
 from agentspec.targets.kv_cache import new_cache, reusable_layers
@@ -145,6 +146,10 @@ class HFTarget:
         norm = getattr(getattr(model, "model", None), "norm", None)
         if isinstance(norm, torch.nn.Module):
             norm.register_forward_hook(self._keep_features)
+        # The rows of every cached position, in step with _ids, where prefix blocks are
+        # stored: blocks keep them, so a reused prompt still gives an EAGLE head every row.
+        self._log = FeatureLog() if isinstance(norm, torch.nn.Module) and self.reuse_enabled \
+            else None
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -194,6 +199,8 @@ class HFTarget:
             out = self.model(
                 input_ids=ids, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs
             )
+        if self._features is not None:
+            self._log_rows(self._features[0])  # [n, H]: this forward's positions
         # Verifiers compare against drafts built on the CPU: logits come back there (a
         # no-op on CPU; on CUDA one small copy per forward).
         return out.logits[0].float().cpu()  # [n, V] (or [1, V] when last_only)
@@ -211,8 +218,19 @@ class HFTarget:
         """Whether :meth:`prefill` reuses KV (a prefix store with a non-zero budget)."""
         return self.prefix_cache is not None and self.prefix_cache.enabled
 
+    @property
+    def reuse_keeps_features(self) -> bool:
+        """Whether a reused prefix comes with its feature rows (``prefill(features=True)``):
+        reuse on and a final norm to read them from."""
+        return self._log is not None and self.reuse_enabled
+
+    def _log_rows(self, rows: torch.Tensor) -> None:
+        """Append the rows ``[m, H]`` of positions just kept in the cache to the log."""
+        if self._log is not None and not self._measuring and self._ids is not None:
+            self._log.append(rows)
+
     def prefill(self, tokens: Sequence[int], *, scope: str | None = None,
-                cancel: threading.Event | None = None) -> torch.Tensor:
+                cancel: threading.Event | None = None, features: bool = False) -> torch.Tensor:
         """Start a request: the cache ends up holding ``tokens``; return the last position's
         logits ``[V]``.
 
@@ -221,7 +239,10 @@ class HFTarget:
         own scope, then the longest prefix of ``tokens`` that the live KV (same scope) or
         the scope's stored blocks hold is reused and only the rest is fed: at least one
         token, so the logits are this request's. :attr:`reused_tokens` says how many
-        were reused.
+        were reused. With ``features`` (the request's drafter reads :meth:`last_features`)
+        only a prefix whose feature rows are kept is reused (a block stored without rows
+        ends it), and :meth:`last_features` then covers every position, as after a
+        prefill without reuse.
 
         ``cancel`` is checked before every forward of the prompt: a tail fed in chunks
         after reused KV stops within one chunk (:data:`PREFILL_CHUNK` tokens) of the event
@@ -237,9 +258,11 @@ class HFTarget:
         self.reused_tokens = 0
         cache: Any = None
         if scope is not None and self.reuse_enabled and len(tokens) > 1 and self._can_reuse():
-            cache = self._reuse(scope, tokens)
+            cache = self._reuse(scope, tokens, features)
         if cache is None:
             cache = self._new_cache()
+            if self._log is not None:
+                self._log.reset()
         self._cache = cache
         self._scope = scope
         self._retired = False
@@ -252,6 +275,10 @@ class HFTarget:
         logits = self._feed_prompt(tokens[self.reused_tokens :], chunked=self.reused_tokens > 0,
                                    cancel=cancel)
         self._ids = tokens
+        if self.reused_tokens and self._log is not None and self._log.covers(len(tokens)):
+            # Every position's rows, the reused ones from where their KV came from (a copy:
+            # the log's buffer is written over after a rollback).
+            self._features = self._log.view(len(tokens)).clone()[None]  # [1, n, H]
         return logits
 
     def _feed_prompt(self, tokens: list[int], chunked: bool,
@@ -320,10 +347,11 @@ class HFTarget:
         """An empty KV cache whose full-attention layers append in place (kv_cache.py)."""
         return new_cache(self.model.config, self.max_positions)
 
-    def _reuse(self, scope: str, tokens: list[int]) -> Any:
+    def _reuse(self, scope: str, tokens: list[int], features: bool = False) -> Any:
         """A cache holding the longest reusable prefix of ``tokens`` (``None``: nothing),
         setting :attr:`reused_tokens`. The live cache is cut in place when it holds at
-        least as much as the store; else the stored blocks are copied into a new cache."""
+        least as much as the store; else the stored blocks are copied into a new cache.
+        With ``features`` only a prefix whose feature rows are known is reused."""
         assert self.prefix_cache is not None
         limit = len(tokens) - 1  # feed at least one token: its logits are the answer
         live = 0
@@ -334,7 +362,12 @@ class HFTarget:
                 if a != b:
                     break
                 live += 1
-        stored = min(self.prefix_cache.match(scope, tokens), limit)
+        log = self._log
+        if log is not None and self._ids is not None and len(log) != len(self._ids):
+            log.forget(len(self._ids))  # out of step with the cache: no row is trusted
+        if features and not (log is not None and log.covers(live)):
+            live = 0  # the live rows are unknown: only blocks with rows may serve
+        stored = min(self.prefix_cache.match(scope, tokens, features), limit)
         if not self._worth_reusing(max(live, stored), len(tokens)):
             self.prefix_cache.record(len(tokens), 0)
             return None
@@ -342,17 +375,21 @@ class HFTarget:
             drop = self.num_cached - live
             if drop:
                 self._cache.crop(-drop)
+            if log is not None:
+                log.truncate(live)
             self.reused_tokens = live
             self.prefix_cache.record(len(tokens), live)
             return self._cache
-        n, kv = self.prefix_cache.lookup(scope, tokens, limit)
-        if not n:
+        hit = self.prefix_cache.fetch(scope, tokens, limit, features)
+        if not hit.n:
             return None
         cache = self._new_cache()
         with torch.inference_mode():
-            for i, (k, v) in enumerate(kv):  # full-attention layers (see _can_reuse)
+            for i, (k, v) in enumerate(hit.kv):  # full-attention layers (see _can_reuse)
                 cache.update(k, v, i)
-        self.reused_tokens = n
+        if log is not None:  # (rows None: blocks stored without them, e.g. old files)
+            log.reset(hit.features, hit.n)
+        self.reused_tokens = hit.n
         return cache
 
     def retire(self) -> None:
@@ -374,8 +411,11 @@ class HFTarget:
                 or not self._can_reuse() or len(self._ids) != self.num_cached):
             return
         assert self.prefix_cache is not None
+        rows, first = (self._log.known() if self._log is not None
+                       and len(self._log) == len(self._ids) else (None, 0))
         self.prefix_cache.insert(self._scope, self._ids,
-                                 [(layer.keys, layer.values) for layer in self._cache.layers])
+                                 [(layer.keys, layer.values) for layer in self._cache.layers],
+                                 features=rows, features_from=first)
         self._retired = True  # until the cache changes (every forward and cut clears it)
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -486,6 +526,7 @@ class HFTarget:
         if self._features is not None and self._features.shape[1] == n_tree:
             local = torch.tensor([0, *(int(i) for i in path)], dtype=torch.long)
             self._features = self._features.index_select(1, local.to(self._features.device))
+            self._log_rows(self._features[0])  # [n + 1, H]: the kept path (else out of step)
 
     def select_row(self, row: int) -> None:
         """Keep only cache row ``row`` of the last :meth:`score_batch`."""
@@ -497,10 +538,14 @@ class HFTarget:
             self._ids = None
         if self._features is not None and self._features.shape[0] > row:
             self._features = self._features[row : row + 1]
+            if rows is not None and 0 <= row < len(rows):  # (after a rollback: fewer rows)
+                self._log_rows(self._features[0, : len(rows[row])])
 
     def last_features(self) -> torch.Tensor:
         """Final-norm hidden states ``[n, H]`` (fp32, CPU) of the positions fed by the
-        latest prefill/score (the kept row after :meth:`select_row`).
+        latest prefill/score (the kept row after :meth:`select_row`); after a prefill that
+        reused KV, of every prompt position when their rows are kept (always with
+        ``prefill(features=True)``).
 
         Raises:
             ConfigError: no forward has run, or the model has no final norm to hook.
@@ -527,6 +572,8 @@ class HFTarget:
                 self._ids = None
             elif self._ids is not None:
                 del self._ids[len(self._ids) - n :]
+                if self._log is not None:
+                    self._log.truncate(len(self._ids))
 
     def verify_cost(self, k: int) -> float:
         """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache.

@@ -10,7 +10,8 @@ session's next request reuses its earlier prompts' KV and prefills only what is 
 **Only the owner reads them, only the owner's writes are accepted.** KV tells what a tenant
 sent: the folder (and every parent agentspec creates) is made 0700 and each file 0600,
 whatever the umask. A file is ``MAGIC || HMAC-SHA256(key, MAGIC || block key || payload) ||
-payload``, the payload a ``torch.save`` of the token ids and key/value tensors, unpickled
+payload``, the payload a ``torch.save`` of the token ids, key/value tensors and the
+block's feature rows (``[block, H]``; files of older versions have none), unpickled
 (``weights_only=True``) only after the MAC matched; a plain checksum would not do, anyone
 able to write a file can recompute it. The key, 32 random bytes, is
 ``$AGENTSPEC_HOME/keys/kv-hmac.key``: made 0600 on first use (a temporary file linked into
@@ -21,7 +22,8 @@ where no key file can be kept, the process signs with a key of its own.
 
 **A bad file costs time, never a wrong output or an error.** A file whose format (files of
 older versions: a plain sha256), MAC, tokens or tensor layout (layers, shapes with one
-position per token, dtypes: as the first block this object wrote or read) do not match is
+position per token, dtypes: as the first block this object wrote or read; feature rows, if
+any: ``[tokens, H]`` in the keys' dtype, ``H`` as in the first rows seen) do not match is
 deleted and counted in :attr:`KVSpill.rejected`; the KV is recomputed. A failed write
 (disk full, I/O error, no folder) is counted in :attr:`KVSpill.write_errors`, logged once
 per kind every few minutes, and its partial file removed; the block stays in memory.
@@ -57,12 +59,15 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.models import agentspec_home, private_dir
+from agentspec.targets.block_features import check_rows
 
 log = logging.getLogger(__name__)
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, kv_heads, block, head_dim]
 #: Per layer (key shape, value shape, key dtype, value dtype), the block axis left out.
 Layout = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.dtype], ...]
+#: A block as read back: its KV and its feature rows ``[block, H]`` (``None``: none stored).
+SpilledBlock = tuple[list[LayerKV], torch.Tensor | None]
 
 _MAGIC = b"agentspec-kv-v2\n"  # files of the plain-sha256 format lack it
 _MAC = 32  # HMAC-SHA256
@@ -192,7 +197,10 @@ class KVSpill:
         self.writes = self.reads = self.rejected = self.write_errors = 0
         #: What every block must look like (set by the first block written or read).
         self.layout: Layout | None = None
-        self._sizes: dict[str, int] = {}  # *.kv file name -> bytes (files never change)
+        self.feature_width: int | None = None  # H of the feature rows (first rows seen)
+        # *.kv file name -> bytes (a file changes only when its block gains feature rows:
+        # another process keeps counting the size it saw first, a few KiB short)
+        self._sizes: dict[str, int] = {}
         self._warned: dict[str, float] = {}  # kind of failure -> when last logged
         self._dir_ok = False  # the folder was made (or checked) by this object
         self.bytes_used = 0
@@ -253,17 +261,24 @@ class KVSpill:
         h.update(payload)
         return h.digest()
 
-    def save(self, key: bytes, tokens: Sequence[int], kv: Sequence[LayerKV]) -> None:
-        """Write a block (once: an existing file is kept), then trim to the budget.
+    def save(self, key: bytes, tokens: Sequence[int], kv: Sequence[LayerKV],
+             features: torch.Tensor | None = None, replace: bool = False) -> None:
+        """Write a block with its feature rows ``[len(tokens), H]`` (if any), then trim to
+        the budget. Once: an existing file is kept, unless ``replace`` (a block stored
+        without rows that now has them).
 
         Never raises ``OSError``: a failed write is counted in :attr:`write_errors`.
         """
         path = self._path(key)
-        if path.is_file():
+        if path.is_file() and not replace:
             return
+        block: dict[str, object] = {
+            "tokens": list(tokens), "kv": [(k.detach().cpu(), v.detach().cpu()) for k, v in kv]}
+        if features is not None:  # a key older versions ignore: their reads still work
+            block["features"] = features.detach().cpu()
+            self.feature_width = self.feature_width or int(features.shape[-1])
         buf = io.BytesIO()
-        torch.save({"tokens": list(tokens),
-                    "kv": [(k.detach().cpu(), v.detach().cpu()) for k, v in kv]}, buf)
+        torch.save(block, buf)
         payload = buf.getvalue()
         data = _MAGIC + self._mac(key, payload) + payload
         if self.layout is None:  # this model's blocks look like this one
@@ -292,7 +307,14 @@ class KVSpill:
 
     def load(self, key: bytes, tokens: Sequence[int], device: str | torch.device
              ) -> list[LayerKV] | None:
-        """The block ``key`` holding exactly ``tokens`` (``None``: absent or rejected)."""
+        """The KV of block ``key`` holding exactly ``tokens`` (``None``: absent or rejected)."""
+        block = self.read(key, tokens, device)
+        return None if block is None else block[0]
+
+    def read(self, key: bytes, tokens: Sequence[int], device: str | torch.device
+             ) -> SpilledBlock | None:
+        """The block ``key`` holding exactly ``tokens``: its KV and feature rows (``None``
+        for a file without them); ``None``: absent or rejected."""
         path = self._path(key)
         try:
             data = path.read_bytes()
@@ -312,6 +334,8 @@ class KVSpill:
                 raise ValueError("tokens differ")
             cpu_kv = [(k, v) for k, v in block["kv"]]
             layout = self._check(cpu_kv, len(tokens))
+            rows = check_rows(block.get("features"), cpu_kv[0][0].dtype, len(tokens),
+                              self.feature_width)
         except Exception as exc:
             self.rejected += 1
             self._warn("rejected", "prefix KV file %s rejected (%s); recomputing",
@@ -320,6 +344,7 @@ class KVSpill:
             return None
         try:
             kv = [(k.to(device), v.to(device)) for k, v in cpu_kv]
+            rows = None if rows is None else rows.to(device)
         except (RuntimeError, MemoryError) as exc:  # no room on the device: a miss
             self._warn("device", "prefix KV block not restored (%s)", exc)
             return None
@@ -327,8 +352,10 @@ class KVSpill:
         with contextlib.suppress(OSError):
             os.utime(path)
         self.layout = layout
+        if rows is not None:
+            self.feature_width = int(rows.shape[1])
         self.reads += 1
-        return kv
+        return kv, rows
 
     def _check(self, kv: list[LayerKV], n: int) -> Layout:
         """The block's layout; ``ValueError`` unless it is ``n`` positions of 4-d tensors

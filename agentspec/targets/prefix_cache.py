@@ -32,6 +32,13 @@ disk (signed, owner-only files; see there), and a lookup that misses in memory r
 back: a session's prefix KV survives a restart of the process. Disk faults never reach the
 caller: a failed write leaves the block in memory only, a bad file is a miss (both counted
 in :meth:`PrefixCache.to_dict`: ``spill_write_errors``, ``rejected_blocks``).
+
+Each block also carries the target's final-norm feature rows of its positions
+(``[block_size, H]``, the model's dtype; see :mod:`agentspec.targets.block_features`):
+an EAGLE head needs a row for every prompt position, so a prompt reused for it reuses only
+blocks that have them (``features=True``: the chain stops at the first block without, e.g.
+one read back from a file of an older version). The rows count in the budget, and a block
+stored without them gets them when the same tokens are inserted again with rows.
 """
 
 from __future__ import annotations
@@ -52,8 +59,9 @@ from agentspec.targets.kv_spill import KVSpill
 #: rounded down to a block (the session's live KV covers the last partial block).
 DEFAULT_BLOCK_SIZE = 16
 
-#: Default budget of the store: 1 GiB holds ~23k tokens of SmolLM2-135M fp32 KV
-#: (30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 45 KiB per token).
+#: Default budget of the store: 1 GiB holds ~22k tokens of SmolLM2-135M fp32 KV and
+#: features (30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 45 KiB of KV per token, plus
+#: 576 x 4 bytes = 2.25 KiB of feature row).
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, kv_heads, block, head_dim]
@@ -64,7 +72,19 @@ class _Block:
     scope: str
     tokens: tuple[int, ...]
     kv: list[LayerKV]
-    nbytes: int
+    nbytes: int  # keys, values and feature rows
+    features: torch.Tensor | None = None  # [block, H]; None: stored without (older file)
+
+
+@dataclass
+class PrefixHit:
+    """What :meth:`PrefixCache.fetch` reused: ``n`` tokens (0: a miss), per layer the keys
+    and values of positions ``0..n-1`` (``[1, kv_heads, n, head_dim]``) and their feature
+    rows ``[n, H]`` (``None`` when a block used has none); fresh tensors."""
+
+    n: int
+    kv: list[LayerKV]
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,15 +113,18 @@ class PrefixCacheStats:
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
 
 
-def _nbytes(kv: Sequence[LayerKV]) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+def _nbytes(kv: Sequence[LayerKV], features: torch.Tensor | None = None) -> int:
+    rows = 0 if features is None else features.numel() * features.element_size()
+    return rows + sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                      for k, v in kv)
 
 
 class PrefixCache:
     """KV blocks of token prefixes, per scope, within a byte budget (fair share, LRU).
 
     Args:
-        budget_bytes: Most bytes of key/value tensors held; 0 stores nothing.
+        budget_bytes: Most bytes of key/value tensors and feature rows held; 0 stores
+            nothing.
         block_size: Tokens per block.
         spill: Disk copies of the blocks (``None``: memory only).
         device: Where blocks read back from disk are put (the target's device).
@@ -151,14 +174,17 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def match(self, scope: str, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens``' longest stored prefix in ``scope`` (a block multiple)."""
-        return len(self._chain(scope, tokens)) * self.block_size
+    def match(self, scope: str, tokens: Sequence[int], features: bool = False) -> int:
+        """Tokens of ``tokens``' longest stored prefix in ``scope`` (a block multiple);
+        with ``features``, of blocks that all carry feature rows."""
+        return len(self._chain(scope, tokens, features)) * self.block_size
 
-    def _chain(self, scope: str, tokens: Sequence[int]) -> list[tuple[bytes, _Block]]:
+    def _chain(self, scope: str, tokens: Sequence[int],
+               features: bool = False) -> list[tuple[bytes, _Block]]:
         """The stored blocks of ``tokens``' longest prefix, read back from disk where they
-        are only there. Making room for those never evicts the chain's own blocks: the
-        chain stops where it would have to."""
+        are only there; with ``features`` it stops at the first block without rows.
+        Making room for those never evicts the chain's own blocks: the chain stops where
+        it would have to."""
         out: list[tuple[bytes, _Block]] = []
         own: set[bytes] = set()
         b = self.block_size
@@ -167,7 +193,7 @@ class PrefixCache:
             blk = self._blocks.get(key)
             if blk is None and self.enabled and self.spill is not None and key in self.spill:
                 blk = self._restore(scope, key, block_tokens, own)
-            if blk is None or blk.tokens != block_tokens:
+            if blk is None or blk.tokens != block_tokens or (features and blk.features is None):
                 break
             out.append((key, blk))
             own.add(key)
@@ -178,13 +204,14 @@ class PrefixCache:
         """Read a spilled block back into memory (``None``: unreadable, or no room without
         evicting ``own``, the blocks of the chain being assembled)."""
         assert self.spill is not None
-        kv = self.spill.load(key, block_tokens, self.device)
-        if kv is None:
+        read = self.spill.read(key, block_tokens, self.device)
+        if read is None:
             return None
-        nbytes = _nbytes(kv)
+        kv, rows = read
+        nbytes = _nbytes(kv, rows)
         if nbytes > self.budget_bytes or not self._make_room(scope, nbytes, own):
             return None
-        blk = _Block(scope, block_tokens, kv, nbytes)
+        blk = _Block(scope, block_tokens, kv, nbytes, rows)
         self._add(key, blk)
         self.stats.restored_blocks += 1
         return blk
@@ -202,11 +229,19 @@ class PrefixCache:
             ``(n, kv)``: ``n`` reused tokens and per layer the keys and values of positions
             ``0..n-1`` (``[1, kv_heads, n, head_dim]``, fresh tensors); ``(0, [])`` on a miss.
         """
-        chain = self._chain(scope, tokens)
+        hit = self.fetch(scope, tokens, limit)
+        return hit.n, hit.kv
+
+    def fetch(self, scope: str, tokens: Sequence[int], limit: int,
+              features: bool = False) -> PrefixHit:
+        """As :meth:`lookup`, with the blocks' feature rows: with ``features`` only blocks
+        that carry rows are reused (the hit's ``features`` is then never ``None``); without,
+        the rows come along when every block used has them."""
+        chain = self._chain(scope, tokens, features)
         n = min(len(chain) * self.block_size, max(0, limit))
         self.record(len(tokens), n)
         if n == 0:
-            return 0, []
+            return PrefixHit(0, [])
         for key, _ in reversed(chain):  # leaf first: parents end most recent
             if key in self._blocks:
                 self._touch(key)
@@ -217,16 +252,22 @@ class PrefixCache:
                  torch.cat([blk.kv[layer][1] for blk in used], dim=-2)[..., :n, :])
                 for layer in range(len(used[0].kv))
             ]
-        return n, kv
+            parts = [blk.features for blk in used if blk.features is not None]
+            rows = torch.cat(parts)[:n] if len(parts) == len(used) else None  # [n, H]
+        return PrefixHit(n, kv, rows)
 
-    def insert(self, scope: str, tokens: Sequence[int], kv: Sequence[LayerKV]) -> int:
+    def insert(self, scope: str, tokens: Sequence[int], kv: Sequence[LayerKV],
+               features: torch.Tensor | None = None, features_from: int = 0) -> int:
         """Store the full blocks of ``tokens`` whose KV ``kv`` holds (per layer keys and
-        values ``[1, kv_heads, >= len(tokens), head_dim]``, position i = token i).
+        values ``[1, kv_heads, >= len(tokens), head_dim]``, position i = token i), with
+        their rows of ``features`` (``[>= len(tokens), H]``, row i = position i; rows
+        before ``features_from`` are unknown: blocks starting there go without).
 
-        Blocks already stored are only touched; new ones are copied (and written to the
-        spill folder). Room is made by the fair-share policy (see the module docstring);
-        the insert stops at the first block that has no room without evicting this chain's
-        own blocks (or is larger than the whole budget).
+        Blocks already stored are only touched (one stored without rows gets them, room
+        permitting); new ones are copied (and written to the spill folder). Room is made
+        by the fair-share policy (see the module docstring); the insert stops at the first
+        block that has no room without evicting this chain's own blocks (or is larger than
+        the whole budget).
 
         Returns:
             Number of blocks newly stored.
@@ -241,28 +282,45 @@ class PrefixCache:
             for i, key in enumerate(keys):
                 blk = self._blocks.get(key)
                 block_tokens = tuple(tokens[i * b : (i + 1) * b])
+                rows = (features[i * b : (i + 1) * b].clone()
+                        if features is not None and i * b >= features_from else None)
                 if blk is not None and blk.tokens == block_tokens:
                     own.add(key)
+                    if blk.features is None and rows is not None:
+                        self._add_rows(key, blk, rows, own)
                     continue
                 parts = [(k[..., i * b : (i + 1) * b, :].clone(),
                           v[..., i * b : (i + 1) * b, :].clone()) for k, v in kv]
-                nbytes = _nbytes(parts)
+                nbytes = _nbytes(parts, rows)
                 if nbytes > self.budget_bytes:
                     break
                 if blk is not None:  # a hash collision: the newer block replaces it
                     self._drop(key)
                 if not self._make_room(scope, nbytes, own):  # never over budget, even briefly
                     break
-                self._add(key, _Block(scope, block_tokens, parts, nbytes))
+                self._add(key, _Block(scope, block_tokens, parts, nbytes, rows))
                 own.add(key)
                 added += 1
                 if self.spill is not None:  # never raises on disk faults (counted there)
-                    self.spill.save(key, block_tokens, parts)
+                    self.spill.save(key, block_tokens, parts, rows)
         for key in reversed(keys):  # leaf first: parents end most recent
             if key in self._blocks:
                 self._touch(key)
         self.stats.inserted_blocks += added
         return added
+
+    def _add_rows(self, key: bytes, blk: _Block, rows: torch.Tensor, own: set[bytes]) -> None:
+        """Give a KV-only block its rows (and its disk copy), if they fit without
+        evicting ``own``."""
+        extra = _nbytes([], rows)
+        if not self._make_room(blk.scope, extra, own):
+            return
+        blk.features = rows
+        blk.nbytes += extra
+        self._scope_bytes[blk.scope] += extra
+        self.bytes_used += extra
+        if self.spill is not None:  # the old file has no rows: rewritten with them
+            self.spill.save(key, blk.tokens, blk.kv, rows, replace=True)
 
     def _add(self, key: bytes, blk: _Block) -> None:
         self._blocks[key] = blk

@@ -199,5 +199,6 @@ def test_packaged_artifact_if_present_is_small() -> None:
     from agentspec.drafters.model.distilled import PACKAGED_DIR
 
     for path in Path(PACKAGED_DIR).glob("*.safetensors"):
-        limit = 10 if path.stem.endswith("-eagle") else 2.5  # the EAGLE head is ~8 MB
+        # EAGLE heads: SmolLM2 ~8 MB, Qwen2.5-0.5B ~17 MB (MLP 2,048 wide)
+        limit = 24 if path.stem.endswith("-eagle") else 2.5
         assert path.stat().st_size < limit * 2**20

@@ -150,9 +150,9 @@ def test_the_request_kv_is_stored_when_it_ends_not_in_the_next_prefill(
     real_prefill = tiny_target.prefill
     phase = ["idle"]
 
-    def insert(scope: str, tokens: Any, kv: Any) -> int:
+    def insert(scope: str, tokens: Any, kv: Any, **rows: Any) -> int:
         inserts.append(phase[0])
-        return real_insert(scope, tokens, kv)
+        return real_insert(scope, tokens, kv, **rows)
 
     def prefill(tokens: Any, *, scope: str | None = None, **kw: Any) -> Any:
         phase[0] = "prefill"

@@ -54,14 +54,16 @@ from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 # Also accepted (not run by default): the session cache with its draft trees forced off
 # (the best index's chain) or on, to see what trees cost over long agent contexts, and
-# without its draft gate (every draft verified as drafted).
-EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated")
+# without its draft gate (every draft verified as drafted); and HVD (the session cache or the
+# EAGLE head per step) and the head alone, for models that ship a head.
+EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated", "hybrid", "model")
 ALL_METHODS = METHODS + EXTRA_METHODS
 #: ``--reuse``: which prefix-reuse variants of every method run.
 REUSE = {"both": (True, False), "on": (True,), "off": (False,)}
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
-          "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate"}
+          "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate",
+          "hybrid": "hybrid (HVD)", "model": "EAGLE head"}
 
 
 def _spec(method: str, max_draft: int) -> AgentSpec:

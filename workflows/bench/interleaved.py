@@ -152,7 +152,8 @@ def run(methods: list[str], mix: list[Part], max_draft: int = 32, progress: bool
             pooled[m].merge(s)
     summary = {m: _summary(s) for m, s in pooled.items()}
     return {
-        "methods": methods, "mix": [p.__dict__ for p in mix], "max_draft": max_draft,
+        "model": target.name, "methods": methods, "mix": [p.__dict__ for p in mix],
+        "max_draft": max_draft,
         "workloads": {w: {m: _summary(s) for m, s in per.items()} for w, per in totals.items()},
         "pooled": summary,
         "pooled_ratios": {f"{a}_over_{b}": round(summary[a]["tokens_per_s"]
@@ -193,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", default=DEFAULT_MIX,
                    help=f"WORKLOAD:LIMITxTURNS entries (default {DEFAULT_MIX})")
     p.add_argument("--max-draft", type=int, default=32, help="longest draft (default 32)")
+    p.add_argument("--model", default=None,
+                   help="target: a shipped model's name or a Hugging Face folder (default: "
+                        "the embedded model)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
-    report = run([m.strip() for m in args.methods.split(",") if m.strip()],
-                 parse_mix(args.mix), args.max_draft, progress=not args.no_progress)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    mix = parse_mix(args.mix)  # a malformed mix fails before the model loads
+    target = HFTarget.load(TargetConfig(model=args.model)) if args.model else None
+    report = run(methods, mix, args.max_draft, progress=not args.no_progress, target=target)
     emit(report, args.out)
     return 0
 

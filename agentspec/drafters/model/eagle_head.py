@@ -87,13 +87,21 @@ class HeadSpec:
 
     @classmethod
     def for_target(cls, model: Any, draft_vocab: tuple[int, ...], target_name: str,
-                   checksum: float) -> HeadSpec:
-        """The spec matching a Llama-style target ``model`` (its last layer's shape)."""
+                   checksum: float, intermediate: int | None = None) -> HeadSpec:
+        """The spec matching a Llama-style target ``model`` (its last layer's shape).
+
+        ``intermediate`` narrows the MLP (default: the target's width). The head starts
+        from random weights (:meth:`EagleHead.init_identity`), so its MLP need not match a
+        target layer; a narrower one trains faster on a CPU and stores smaller.
+        """
         cfg = model.config
+        width = int(cfg.intermediate_size) if intermediate is None else int(intermediate)
+        if width < 1:
+            raise ConfigError(f"intermediate={intermediate}: the MLP needs a width >= 1")
         return cls(
             hidden=int(cfg.hidden_size), heads=int(cfg.num_attention_heads),
             kv_heads=int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)),
-            intermediate=int(cfg.intermediate_size),
+            intermediate=width,
             rope_theta=float(_rope_theta(cfg)), eps=float(getattr(cfg, "rms_norm_eps", 1e-5)),
             draft_vocab=draft_vocab, target_name=target_name,
             target_vocab=int(model.get_output_embeddings().weight.shape[0]), checksum=checksum,
