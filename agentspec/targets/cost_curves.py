@@ -7,21 +7,44 @@ to tens of seconds, so the curves are kept in one JSON file per model, dtype, de
 machine under ``$AGENTSPEC_HOME/costs`` and measured only when that file lacks them: when the
 model loads (:meth:`CostCurves.ensure`), never inside a request (:meth:`CostCurves.stored`
 reads without measuring). A corrupt or partial file is measured again, never an error.
+
+The curves depend on how each layer multiplies a few rows (:mod:`agentspec.targets.linear`
+measures which product form is fastest here), so the file keeps that table too, and the
+table is measured first: a file without one (or one written before the table existed) is
+measured again whole, forms then curves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentspec.models import agentspec_home
 from agentspec.targets import costs
 from agentspec.targets.costs import Curve
+from agentspec.targets.linear import ProductForms, Table
 
 #: Times one forward over each of ``COST_POINTS`` tokens on a ``context``-position cache:
 #: ``probe(context, repeats, bar) -> curve`` (``bar``: a progress bar to advance, or None).
 Probe = Callable[[int, int, Any], Curve]
+
+
+@dataclass
+class FormsProbe:
+    """The model's product forms and how to measure them.
+
+    Attributes:
+        forms: The model's :class:`~agentspec.targets.linear.ProductForms` (set from the
+            file, or from a measurement).
+        measure: ``measure(bar) -> table`` (``bar``: a progress bar to advance, or None).
+        steps: Progress steps one measurement takes.
+    """
+
+    forms: ProductForms
+    measure: Callable[[Any], Table]
+    steps: int
 
 
 class CostCurves:
@@ -34,10 +57,14 @@ class CostCurves:
             builds it).
         max_positions: The model's window (it decides which contexts are measured).
         probe: The target's timing of one forward per draft length.
+        forms: The model's product forms (``None``: the model has none to choose, e.g. on
+            a GPU).
     """
 
-    def __init__(self, name: str, key: str, max_positions: int, probe: Probe) -> None:
+    def __init__(self, name: str, key: str, max_positions: int, probe: Probe,
+                 forms: FormsProbe | None = None) -> None:
         self.name, self.key = name, key
+        self.forms = forms
         self.short = costs.short_context(max_positions)
         self.long = costs.long_context(max_positions)
         self.probe = probe
@@ -56,7 +83,7 @@ class CostCurves:
             return self.curves
         data = costs.read_file(self.path)
         base = costs.parse_curve(data.get("costs"))
-        if base is None:
+        if base is None or not self._read_forms(data):
             return None
         curves = {self.short: base}
         if self.long is not None:
@@ -71,6 +98,8 @@ class CostCurves:
         """The base curve, measured and stored first if the file lacks it."""
         if self.base is None:
             data = costs.read_file(self.path)
+            if not self._read_forms(data):
+                data = self._measure_forms(bar)
             curve = costs.parse_curve(data.get("costs"))
             if curve is None:  # absent or corrupt: measure again
                 import torch
@@ -80,6 +109,28 @@ class CostCurves:
                                              "torch": torch.__version__})
             self.base = curve
         return self.base
+
+    def _read_forms(self, data: dict[str, Any]) -> bool:
+        """Use the file's product forms; ``False`` when it has none (or no valid ones)."""
+        if self.forms is None:
+            return True
+        table = ProductForms.from_json(data.get("forms"))
+        if table is None:
+            return False
+        if not self.forms.forms.measured:
+            self.forms.forms.set(table)
+        return True
+
+    def _measure_forms(self, bar: Any) -> dict[str, Any]:
+        """Measure the product forms, use them and start the file afresh with them (curves
+        timed with other forms are dropped: they are measured again)."""
+        import torch
+
+        assert self.forms is not None
+        self.forms.forms.set(self.forms.measure(bar))
+        data = {"forms": self.forms.forms.to_json(), "torch": torch.__version__}
+        costs.write_file(self.path, data)
+        return data
 
     def ensure(self, progress: bool = False) -> dict[int, Curve]:
         """Every curve, measuring (with a progress line when ``progress``) and storing the
@@ -91,8 +142,9 @@ class CostCurves:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(costs.COST_POINTS) * (1 if self.long is None else 2),
-                       leave=False,
+            steps = len(costs.COST_POINTS) * (1 if self.long is None else 2)
+            steps += self.forms.steps if self.forms is not None else 0
+            bar = tqdm(total=steps, leave=False,
                        desc=f"measuring {self.name}'s verify cost (once per machine)")
         try:
             curves = {self.short: self.base_curve(bar)}

@@ -25,7 +25,7 @@ from agentspec.errors import Cancelled, ConfigError, PromptTooLongError
 from agentspec.models import agentspec_home, load_model_and_tokenizer
 from agentspec.targets import attention, costs, linear
 from agentspec.targets.block_features import FeatureLog
-from agentspec.targets.cost_curves import CostCurves
+from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.fingerprint import folder_fingerprint, module_fingerprint
 from agentspec.targets.kv_cache import new_cache, reusable_layers
 from agentspec.targets.kv_spill import KVSpill
@@ -122,9 +122,16 @@ class HFTarget:
         cfg = model.config
         self.max_positions: int = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
         self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        forms = None
+        if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
+            attention.install(model)
+            # A short draft's few rows in the product form measured fastest on this machine.
+            forms = FormsProbe(linear.install(model), lambda bar: linear.measure(model, bar=bar),
+                               linear.shapes(model))
         # The measured c(k, L) curves and their file (measured at load, never in a request).
         self.curves = CostCurves(name, self._cost_key(), self.max_positions,
-                                 lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar))
+                                 lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar),
+                                 forms)
         # Final-norm hidden states of the latest forward ([B, n, H]), captured by a hook on
         # the final norm (it runs on every position even when only the last logits are
         # kept). Holding a reference costs nothing; only last_features() copies.
@@ -153,9 +160,6 @@ class HFTarget:
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
-            attention.install(model)
-            linear.install(model)  # a short draft's few rows read each weight once
 
     @classmethod
     def load(cls, config: TargetConfig | None = None) -> HFTarget:

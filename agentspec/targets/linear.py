@@ -1,62 +1,216 @@
-"""Linear layers over a few rows on CPU: ``W @ xᵀ`` instead of ``x @ Wᵀ``.
+"""Linear layers over a few rows on CPU, in the product form this machine runs fastest.
 
-Verifying a short draft multiplies every weight matrix by 2-8 rows (the pending token plus
-the draft). For such shapes MKL's ``x @ Wᵀ`` (``torch.nn.functional.linear``) takes a path
-that costs about one pass over the weights *per row*, while the transposed product
-``(W @ xᵀ)ᵀ`` (the same sums) reads them once. Measured on 2 CPU cores (fp32, torch
-2.13, SmolLM2-135M shapes): the 576 x 49,152 output layer takes 7.3 ms for 1 row,
-14.9 / 24.7 / 15.5 ms for 2 / 3 / 4 rows with ``linear`` and 4.2 / 4.5 / 3.5 ms with the
-transposed product (2.2 / 2.7x at 6 / 8 rows, no gain from 12 rows on); the 576 x 1,536
-MLP projections 1.5-1.9x faster at 2-4 rows, slower at 6-12. So a one-token verify (2
-rows) cost more than a three-token one (4 rows), and a short draft cost far more than a
-plain step: the draft gate (``agentspec/drafters/gate.py``) prices drafts by this curve.
-On Qwen2.5-Coder-0.5B's shapes (896 x 151,936 output layer, 896 x 4,864 MLP) the
-transposed product wins on the output layer at every row count up to 33, quiet or with
-another process on the CPU, and on the MLP up to 8 rows (BENCHMARKS.md, "short verifies").
+Verifying a short draft multiplies every weight matrix by 2-33 rows (the pending token plus
+the draft). A one-row step reads each weight once and is bound by memory bandwidth; a few
+rows should cost about the same, since the extra multiply-adds are nearly free while the
+weights stream through. Whether they do depends on the BLAS kernel the shape lands on, and
+that differs between CPUs and library builds: on one 2-core machine MKL's ``x @ Wᵀ``
+(``torch.nn.functional.linear``) took one pass over the weights *per row* from 2 rows on,
+and the transposed product ``(W @ xᵀ)ᵀ`` read them once; on another ``linear`` over 2-3
+rows cost what one row costs and the transposed product twice that, while from 4 rows on
+``linear`` jumped to three times one row and ``linear`` over blocks of 1,024 output rows
+(each block read once, reused by every row from the core's cache) was the fastest, with
+the best block size differing by layer shape. A fixed
+choice is right on one machine and wrong on the next, so the choice is measured.
 
-:func:`install` gives each ``nn.Linear`` of a CPU model a forward that takes the transposed
-product for 2..:data:`BODY_ROWS` rows (2..:data:`WIDE_ROWS` for layers with at least
-:data:`WIDE_OUT` outputs: the vocabulary projection) and ``linear`` otherwise; one-row
-forwards (plain decoding) and prompts are untouched. The sums are the same, their order
-is not: logits differ from ``linear``'s in the last bits (~1e-6 relative), as any change
-of kernel does, and the lossless guarantee (outputs token-identical to plain decoding) is
-tested on the tiny and the embedded model as before.
+Three forms, the same sums in different orders (logits differ in the last bits, ~1e-6
+relative, as with any change of kernel; the lossless guarantee, outputs token-identical to
+plain decoding, is tested as before):
+
+- ``linear``: ``torch.nn.functional.linear`` (what the model does without this module);
+- ``transposed``: ``(W @ xᵀ)ᵀ``, made contiguous;
+- ``blocked128`` / ``blocked512``: ``linear`` over 128- or 512-row slices of ``W``,
+  concatenated (a slice stays in the core's cache while every input row passes over it).
+
+:func:`measure` times each form for every distinct fp32 layer shape of a model at the row
+counts of :data:`ROW_POINTS` and keeps the fastest (``linear`` unless another wins by
+:data:`MIN_GAIN`); a row count between two points takes the lower point's form.
+:func:`install` gives each ``nn.Linear`` a forward that asks the model's
+:class:`ProductForms` which form to run. One-row forwards (plain decoding) always take
+``linear``: the reference stays bit for bit what it was. Until a table is set (a model whose
+costs are never measured) every row count takes ``linear``.
 """
 
 from __future__ import annotations
 
-import types
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-BODY_ROWS = 8  # most rows for which the transposed product wins on the body's projections
-WIDE_ROWS = 64  # ... on an output layer of at least WIDE_OUT features
-WIDE_OUT = 8192
+__all__ = ["FORMS", "ROW_POINTS", "ProductForms", "install", "measure"]
+
+#: The product forms (see the module docstring); ``blockedN`` slices ``W`` by N rows.
+FORMS = ("linear", "transposed", "blocked128", "blocked512")
+#: Row counts at which the forms are timed (drafts of 1-32 tokens verify 2-33 rows; trees
+#: and batches up to 64). Beyond the last point every layer takes ``linear``.
+ROW_POINTS = (2, 3, 4, 6, 8, 12, 16, 24, 33, 64)
+#: An alternative form must beat ``linear`` by this fraction to be chosen (timing noise
+#: alone should not move a layer off the library's own kernel).
+MIN_GAIN = 0.05
+
+Shape = tuple[int, int]  # (out_features, in_features)
+Table = dict[Shape, dict[int, str]]  # shape -> {row point: form}
 
 
-def _small_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` with the transposed product for a few fp32 rows."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    limit = WIDE_ROWS if self.out_features >= WIDE_OUT else BODY_ROWS
-    if 2 <= rows <= limit and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+class ProductForms:
+    """Which product form each (layer shape, row count) runs: one per model, shared by every
+    target built on it (:func:`install` creates it once and returns it after)."""
+
+    def __init__(self) -> None:
+        self._table: Table = {}
+        self._lookup: dict[Shape, list[str]] = {}  # shape -> form by row count 0..last
+
+    @property
+    def measured(self) -> bool:
+        """Whether a table is set (else every row count takes ``linear``)."""
+        return bool(self._table)
+
+    def set(self, table: Table) -> None:
+        """Use ``table`` (from :func:`measure` or :meth:`from_json`)."""
+        self._table = {shape: dict(rows) for shape, rows in table.items()}
+        self._lookup = {}
+        for shape, by_rows in self._table.items():
+            forms = ["linear"] * (ROW_POINTS[-1] + 1)
+            form = "linear"
+            for rows in range(2, ROW_POINTS[-1] + 1):
+                form = by_rows.get(rows, form)  # between points: the lower point's form
+                forms[rows] = form
+            self._lookup[shape] = forms
+
+    def form(self, shape: Shape, rows: int) -> str:
+        """The form a layer of ``shape`` runs over ``rows`` rows."""
+        forms = self._lookup.get(shape)
+        if forms is None or rows < 2 or rows >= len(forms):
+            return "linear"
+        return forms[rows]
+
+    def to_json(self) -> dict[str, dict[str, str]]:
+        """The table as JSON (``{"out x in": {"rows": form}}``)."""
+        return {f"{o}x{i}": {str(r): f for r, f in sorted(by_rows.items())}
+                for (o, i), by_rows in sorted(self._table.items())}
+
+    @staticmethod
+    def from_json(data: Any) -> Table | None:
+        """A table read back from :meth:`to_json`'s output; ``None`` if it is malformed."""
+        if not isinstance(data, dict) or not data:
+            return None
+        table: Table = {}
+        try:
+            for key, by_rows in data.items():
+                out, inp = (int(v) for v in str(key).split("x"))
+                rows = {int(r): str(f) for r, f in by_rows.items()}
+                if not rows or any(f not in FORMS for f in rows.values()):
+                    return None
+                table[(out, inp)] = rows
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return table
+
+
+def _product(form: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weightᵀ`` for ``x`` ``[rows, in]`` in ``form``: ``[rows, out]``, contiguous."""
+    if form == "transposed":
         # [out, rows] -> [rows, out], made contiguous: a transposed view would reach
         # attention with a strided last dimension, and SDPA's flash kernel refuses it.
-        y = torch.matmul(self.weight, x.reshape(rows, x.shape[-1]).T).T.contiguous()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
-    return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.matmul(weight, x.T).T.contiguous()
+    if form.startswith("blocked"):
+        block = int(form[len("blocked"):])
+        return torch.cat([torch.nn.functional.linear(x, w) for w in weight.split(block)], dim=1)
+    return torch.nn.functional.linear(x, weight)
 
 
-def install(model: Any) -> int:
-    """Give every ``nn.Linear`` of ``model`` the small-rows forward; returns how many.
+def _forward_with(forms: ProductForms) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``nn.Linear.forward`` in the measured form for a few fp32 rows."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows >= 2 and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            form = forms.form((self.out_features, self.in_features), rows)
+            if form != "linear":
+                y = _product(form, x.reshape(rows, x.shape[-1]), self.weight)  # [rows, out]
+                if self.bias is not None:
+                    y = y + self.bias
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    return forward
+
+
+def _linears(model: Any) -> Iterable[torch.nn.Linear]:
+    return (m for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+def install(model: Any) -> ProductForms:
+    """Give every ``nn.Linear`` of ``model`` the measured-form forward; return the model's
+    :class:`ProductForms` (created on the first call, the same one after).
 
     Only CPU models should call it (on CUDA, cuBLAS handles small batches well).
     """
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_small_rows_forward, module)  # type: ignore[method-assign]
-            count += 1
-    return count
+    forms = getattr(model, "_agentspec_product_forms", None)
+    if not isinstance(forms, ProductForms):
+        forms = ProductForms()
+        object.__setattr__(model, "_agentspec_product_forms", forms)  # not a submodule
+    forward = _forward_with(forms)
+    for module in _linears(model):
+        module.forward = forward.__get__(module)  # type: ignore[method-assign]
+    return forms
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _over(form: str, x: torch.Tensor, layers: list[torch.nn.Linear]) -> Callable[[], None]:
+    """One product in ``form`` with each of ``layers`` in turn (a forward's order)."""
+
+    def run() -> None:
+        for layer in layers:
+            _product(form, x, layer.weight)
+
+    return run
+
+
+def measure(model: Any, repeats: int = 3, bar: Any = None) -> Table:
+    """Time every form for each distinct fp32 layer shape of ``model`` at each of
+    :data:`ROW_POINTS` and return the fastest per point (``bar``: a progress bar advanced
+    once per shape).
+
+    A form is timed over *every* layer of the shape in turn, as a forward runs them: each
+    weight is then read from memory as in a real verify. Timing one layer in a loop keeps
+    its weights in the CPU's cache and favours forms that reuse them, which a forward over
+    a model larger than the cache never sees.
+    """
+    groups: dict[Shape, list[torch.nn.Linear]] = {}
+    for m in _linears(model):
+        if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            groups.setdefault((m.out_features, m.in_features), []).append(m)
+    gen = torch.Generator().manual_seed(0)
+    table: Table = {}
+    with torch.inference_mode():
+        for shape, layers in groups.items():
+            _product("linear", torch.randn(2, shape[1], generator=gen), layers[0].weight)  # warm-up
+            by_rows: dict[int, str] = {}
+            forms = [f for f in FORMS  # a blocked form needs 2 blocks at least
+                     if not f.startswith("blocked") or shape[0] >= 2 * int(f[7:])]
+            for rows in ROW_POINTS:
+                x = torch.randn(rows, shape[1], generator=gen)  # [rows, in]
+
+                took = {f: _median_s(_over(f, x, layers), repeats) for f in forms}
+                best = min(took, key=took.__getitem__)
+                by_rows[rows] = best if took[best] < (1 - MIN_GAIN) * took["linear"] else "linear"
+            table[shape] = by_rows
+            if bar is not None:
+                bar.update(1)
+    return table
+
+
+def shapes(model: Any) -> int:
+    """Distinct fp32 CPU layer shapes :func:`measure` times (a progress bar's length)."""
+    return len({(m.out_features, m.in_features) for m in _linears(model)
+                if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"})

@@ -116,8 +116,12 @@ def test_random_prompts_with_eviction_mid_session(embedded_target: HFTarget) -> 
     from agentspec.factory import build_drafter, build_engine
 
     m, tok = embedded_target.model, embedded_target.tokenizer
-    kv_per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: layers x (k, v) x heads x dims
-    store = PrefixCache(budget_bytes=200 * kv_per_token, block_size=16)
+    # SmolLM2-135M fp32 per stored token: layers x (k, v) x heads x dims of KV, plus the
+    # block's final-norm feature row (hidden size 576). 300 tokens hold 18 blocks: less than
+    # two sessions (10-17 blocks each), more than one, so a session's later turn finds its
+    # root blocks while the other session's inserts evict its leaves.
+    per_token = 30 * 2 * 3 * 64 * 4 + 576 * 4
+    store = PrefixCache(budget_bytes=300 * per_token, block_size=16)
     on = HFTarget(m, tok, embedded_target.name, "float32", embedded_target.device, store)
     off = HFTarget(m, tok, embedded_target.name, "float32", embedded_target.device)
     spec = AgentSpec(drafting=DraftingPolicy(method="prompt_lookup"))

@@ -35,18 +35,28 @@ def test_the_shipped_head_and_predictor_are_found_for_qwen(qwen_runtime: Runtime
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["model", "hybrid"])
-def test_hvd_on_qwen_says_what_greedy_says(qwen_runtime: Runtime, method: str) -> None:
+@pytest.mark.parametrize(("method", "policy"), [("model", "cost_aware"), ("hybrid", "threshold"),
+                                                ("hybrid", "cost_aware")])
+def test_hvd_on_qwen_says_what_greedy_says(qwen_runtime: Runtime, method: str,
+                                           policy: str) -> None:
+    """Every source mix decodes what greedy decodes. ``model`` and the paper's threshold
+    rule (the model drafts whenever the cache has nothing, or ŷ < τ) must put the head in
+    the loop; the cost-aware policy picks by this machine's measured verify cost, so on a
+    machine where a multi-token verify costs more than the head's drafts commit it may
+    rightly never pick the head: there only its output is checked."""
     rt = qwen_runtime
     greedy = AgentSpec(drafting=DraftingPolicy(method="none"))
-    spec = AgentSpec(drafting=DraftingPolicy(method=method))
-    session = SessionRef(f"qwen-hvd-{method}")
+    spec = AgentSpec(drafting=DraftingPolicy(method=method, hvd_policy=policy))  # type: ignore[arg-type]
+    session = SessionRef(f"qwen-hvd-{method}-{policy}")
     head_name = "eagle"  # the EAGLE drafter's source name on its steps
     for messages in (ASK, AGAIN):
         ref = rt.chat(messages, spec=greedy, max_tokens=48)
         out = rt.chat(messages, spec=spec, session=session, max_tokens=48)
-        assert out.tokens == ref.tokens, method
-        # The head drafted and some of its tokens were accepted: it is in the loop.
-        head = [s for s in out.stats.steps if s.source == head_name]
-        assert head and sum(s.accepted for s in head) > 0, [s.source for s in out.stats.steps]
-        assert out.stats.forwards < len(out.tokens)
+        assert out.tokens == ref.tokens, (method, policy)
+        sources = [s.source for s in out.stats.steps]
+        assert set(sources) <= {"suffix", head_name, "none"}, sources
+        if policy == "threshold" or method == "model":
+            # The head drafted and some of its tokens were accepted: it is in the loop.
+            head = [s for s in out.stats.steps if s.source == head_name]
+            assert head and sum(s.accepted for s in head) > 0, sources
+            assert out.stats.forwards < len(out.tokens)

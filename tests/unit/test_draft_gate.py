@@ -16,6 +16,7 @@ from agentspec.factory import build_drafter, build_engine
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets import costs
 from agentspec.targets.cost_curves import CostCurves
+from agentspec.targets.linear import ProductForms
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 from tests.conftest import TINY_VOCAB
 
@@ -187,7 +188,7 @@ def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  
 
     def forget() -> None:  # a new target: nothing read from the cost file yet
         c = tiny_target.curves
-        tiny_target.curves = CostCurves(c.name, c.key, 512, c.probe)
+        tiny_target.curves = CostCurves(c.name, c.key, 512, c.probe, c.forms)
         tiny_target._live = None
 
     forget()
@@ -206,6 +207,8 @@ def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  
         (path,) = (tmp_path / "costs").glob("*.json")
         data = json.loads(path.read_text())
         assert costs.parse_curve(data["costs"]) is not None and "long" not in data
+        # The product forms the curve was timed with are kept beside it.
+        assert ProductForms.from_json(data["forms"]) is not None
         # A new target (or process) reads the stored curve without measuring.
         forget()
         assert tiny_target.live_cost.measured
