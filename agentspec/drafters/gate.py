@@ -13,8 +13,9 @@ whose drafts accepted 0.68 tokens on average.
 The rule. For a draft of n tokens the drafter's score s (its expected accepted length
 under the index's own frequencies) is calibrated per match-length bucket b (power-of-two
 buckets, as the drafter's own level calibration): ŷ = min(n, r_b · s) with
-r_b = (Σ y + P) / (Σ s + P) over the tenant's recent drafts of that bucket (decayed sums,
-prior P pseudo-tokens at r = 1), where y is a draft's *full-length* accepted length. The
+r_b = (Σ y + P·r₀) / (Σ s + P) over the tenant's recent drafts of that bucket (decayed
+sums, prior P pseudo-tokens at r = r₀, a cautious quarter), where y is a draft's
+*full-length* accepted length. The
 acceptance of the first k tokens follows the cache drafts' copy mixture of
 :func:`agentspec.payoff.policy.fit_copy_acceptance` (with probability q the whole draft is
 right, else tokens are accepted at rate β), and the gate verifies the k maximising
@@ -56,7 +57,12 @@ class GateConfig:
             the driven SWE-agent sessions).
         decay: Per-draft forgetting of each bucket's calibration sums (0.98: about the
             last 50 labelled drafts of that bucket).
-        prior: Pseudo-tokens at r = 1 (before evidence the drafter's score is trusted).
+        prior: Pseudo-tokens of the prior ratio (before evidence r = ``prior_ratio``).
+        prior_ratio: r before evidence: the share of the drafter's score a new tenant's
+            drafts are expected to realise. Cautious (a quarter): on open chat a new
+            tenant's first drafts are long prompt matches that the answer does not follow,
+            and verifying them whole costs several plain steps each; on copying workloads
+            the first labelled draft moves r most of the way to what the tenant realises.
         max_tenants: Tenants whose calibration is kept (least recently used dropped).
         max_pending: Unlabelled drafts kept per request (oldest dropped).
     """
@@ -64,6 +70,7 @@ class GateConfig:
     miss_rate: float = 0.5
     decay: float = 0.98
     prior: float = 4.0
+    prior_ratio: float = 0.25
     max_tenants: int = 1024
     max_pending: int = 64
 
@@ -74,6 +81,8 @@ class GateConfig:
             raise ConfigError(f"decay must be in (0, 1], got {self.decay!r}")
         if self.prior <= 0:
             raise ConfigError(f"prior must be > 0, got {self.prior!r}")
+        if not 0.0 < self.prior_ratio <= 1.0:
+            raise ConfigError(f"prior_ratio must be in (0, 1], got {self.prior_ratio!r}")
         if self.max_tenants < 1 or self.max_pending < 1:
             raise ConfigError(f"max_tenants and max_pending must be >= 1, got "
                               f"{self.max_tenants!r}, {self.max_pending!r}")
@@ -112,9 +121,9 @@ class _Calibration:
 
     sums: dict[int, list[float]] = field(default_factory=dict)
 
-    def ratio(self, b: int, prior: float) -> float:
+    def ratio(self, b: int, prior: float, prior_ratio: float = 1.0) -> float:
         y, s = self.sums.get(b, (0.0, 0.0))
-        return (y + prior) / (s + prior)
+        return (y + prior * prior_ratio) / (s + prior)
 
     def learn(self, b: int, label: int, score: float, decay: float) -> None:
         st = self.sums.setdefault(b, [0.0, 0.0])
@@ -177,7 +186,8 @@ class DraftGate:
             return draft
         tenant = ctx.session.tenant if ctx.session is not None else ""
         with self._lock:
-            ratio = self._calibration(tenant).ratio(bucket(draft.match_len), self.config.prior)
+            ratio = self._calibration(tenant).ratio(bucket(draft.match_len), self.config.prior,
+                                                   self.config.prior_ratio)
             pending = self._pending.setdefault(_key(ctx), [])
             pending.append(_Pending(len(ctx.tokens), draft, tenant))
             del pending[: -self.config.max_pending]

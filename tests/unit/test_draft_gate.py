@@ -87,6 +87,25 @@ def test_calibration_learns_per_tenant_and_per_bucket() -> None:
     assert len(gate.cut(ctx(history, "z", tenant="other"), draft).tokens) > 0
 
 
+def test_a_new_tenant_is_trusted_with_caution_until_its_drafts_prove_right() -> None:
+    """Before evidence r = prior_ratio: a new tenant's long draft is cut where a trusting
+    prior verifies it whole; once its drafts of that bucket follow, it is verified whole."""
+    draft = Draft.trusted(list(range(10, 26)), None, 6.0, 4, "suffix")
+    history = list(range(100, 4100))
+    trusting = DraftGate(steep, GateConfig(prior_ratio=1.0))
+    assert len(trusting.cut(ctx(history, "a"), draft).tokens) == 16
+    cautious = DraftGate(steep)  # the default prior ratio
+    assert cautious.config.prior_ratio < 1.0
+    assert len(cautious.cut(ctx(history, "a"), draft).tokens) < 16
+    cautious.end_request("a")
+    for i in range(3):  # the tenant's drafts are right to the end: r rises towards 16/6
+        c = ctx(history, f"r{i}")
+        cautious.cut(c, draft)
+        cautious.observe(c, VerifyResult([*draft.tokens, 0], 16))
+        cautious.end_request(f"r{i}")
+    assert len(cautious.cut(ctx(history, "b"), draft).tokens) == 16
+
+
 def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     gate = DraftGate(steep)
     history = list(range(100, 4100))
@@ -106,7 +125,8 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
 
 
 def test_gate_config_is_checked() -> None:
-    for bad in ({"miss_rate": 1.0}, {"decay": 0.0}, {"prior": 0.0}, {"max_tenants": 0}):
+    for bad in ({"miss_rate": 1.0}, {"decay": 0.0}, {"prior": 0.0}, {"max_tenants": 0},
+                {"prior_ratio": 0.0}, {"prior_ratio": 1.5}):
         with pytest.raises(AgentSpecError):
             GateConfig(**bad)  # type: ignore[arg-type]
 
