@@ -10,14 +10,18 @@ plain steps they replace. The tracker keeps, per cell (thread count, row bucket,
 bucket), a decayed geometric mean of observed / prior seconds, so the prior curve's shape is
 kept where nothing has been observed and replaced by the machine's behaviour where it has.
 
-Threads. Each forward over two or more rows may run with the process's thread count ``T``
-or with one thread (when the CPU is shared, one thread is often the faster choice for
-exactly these forwards). The tracker picks the cheaper estimate per cell and re-tries the
-other whenever its evidence has aged out (``explore_after`` seconds), so it follows the load
-as it comes and goes. One-row forwards (plain decoding, the reference of every lossless
-guarantee) always run with ``T`` threads and stay bit for bit as they were; the thread count
-of a verify forward changes the order of its sums in the last bits only, as a change of
-kernel does, and outputs are tested token-identical as before.
+Threads. Each forward may run with the process's thread count ``T`` or with one thread:
+when another process takes one of two cores, every parallel region of a ``T``-thread forward
+waits for the descheduled thread, and one thread is then the faster choice, for one-row
+steps as much as for verifies (a one-row Qwen step measured ~1 s with two threads beside a
+one-thread matmul loop, against ~80 ms quiet). The tracker picks the cheaper estimate per
+cell and re-tries the other whenever its evidence has aged out (``explore_after`` seconds),
+so it follows the load as it comes and goes. A one-row product splits the output rows
+between threads, never a dot product, so a one-row forward gives the same bits with one
+thread or ``T`` (tested on the shipped models): plain decoding, the reference of every
+lossless guarantee, is unchanged. A verify forward's thread count may change the order of
+its sums in the last bits, as a change of kernel does; outputs are tested token-identical
+as before.
 
 Estimates. ``ratio(t, r, c) = exp((w·mean_log + m·log fallback) / (w + m))`` with ``w`` the
 cell's decayed weight (half-life ``half_life`` seconds of wall time), ``m`` pseudo
@@ -72,7 +76,7 @@ class LiveCostConfig:
         explore_after: Seconds after the other thread count's last evidence for a cell at
             which one forward is run with it again (bounds what exploring costs: one forward
             per cell per this many seconds at most).
-        adapt_threads: Whether multi-row forwards may run with one thread.
+        adapt_threads: Whether forwards may run with one thread.
         learn: Whether timed forwards are recorded (``False``: c(k, L) is the prior curve
             and the gate's decisions do not depend on timings, e.g. to compare forward
             counts between runs).
@@ -116,7 +120,7 @@ class LiveCost:
     Args:
         prior: The cost shape before observations: a measured curve (``HFTarget``'s,
             seconds) or :func:`safe_prior`.
-        threads: The process's thread count ``T`` (one-row forwards always use it).
+        threads: The process's thread count ``T``.
         config: Decay and exploration settings.
         clock: Seconds (``time.monotonic``; tests pass their own).
     """
@@ -148,8 +152,7 @@ class LiveCost:
             self._cells.clear()
 
     def _choices(self, k: int) -> tuple[int, ...]:
-        if (k < 2 or self.threads == 1 or not self.config.adapt_threads
-                or not self.config.learn):
+        if self.threads == 1 or not self.config.adapt_threads or not self.config.learn:
             return (self.threads,)
         return (self.threads, 1)
 

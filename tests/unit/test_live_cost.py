@@ -67,8 +67,10 @@ def test_one_thread_is_explored_and_kept_when_it_is_cheaper() -> None:
     clock = Clock()
     live = LiveCost(linear_prior, threads=2, clock=clock,
                     config=LiveCostConfig(explore_after=30.0))
-    assert live.threads_for(1, 500) == 2  # one-row forwards never change threads
     live.observe(1, 500, 2, linear_prior(1, 500))
+    assert live.threads_for(1, 500) == 1  # one-row steps explore one thread too
+    live.observe(1, 500, 1, 1.5 * linear_prior(1, 500))
+    assert live.threads_for(1, 500) == 2  # ... and keep T threads where they are faster
     # No evidence for one thread yet: tried once.
     assert live.threads_for(8, 500) == 1
     live.observe(8, 500, 1, 0.5 * linear_prior(8, 500))
@@ -141,12 +143,13 @@ def test_one_thread_verify_forwards_stay_lossless(tiny_model: torch.nn.Module) -
     target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu")
     live = LiveCost(linear_prior, threads=threads)
     target._live = live
-    # Two-thread verify forwards look slow everywhere: every multi-row forward runs with
-    # one thread (when the process has more), one-row steps with the process's threads.
-    for k in (2, 4, 8, 16, 32, 64):
+    # Two-thread forwards look slow everywhere: every forward, one-row steps included, runs
+    # with one thread (when the process has more).
+    for k in (1, 2, 4, 8, 16, 32, 64):
         for _ in range(20):
             live.observe(k, 10, live.threads, 50 * linear_prior(k, 10))
     assert live.threads_for(8, 10) == 1  # (trivially so in a one-thread process)
+    assert live.threads_for(1, 10) == 1
     plain = SpeculativeDecoder(target, None, eos_token_ids=[1])
     spec = SpeculativeDecoder(target, SuffixDrafter(SuffixConfig()), eos_token_ids=[1])
     torch.manual_seed(0)
@@ -165,3 +168,24 @@ def test_a_frozen_tracker_prices_by_the_prior_only() -> None:
     live.observe(8, 500, 2, 100.0)
     assert live.observed == 0 and live.cost(8, 500) == linear_prior(8, 500)
     assert live.threads_for(8, 500) == 2
+
+
+def test_one_row_forwards_give_the_same_bits_with_any_thread_count(
+        tiny_model: torch.nn.Module) -> None:
+    """Plain decoding is the reference of every lossless guarantee, and a loaded machine
+    runs its one-row steps with one thread: the logits must not change by a bit."""
+    threads = torch.get_num_threads()
+    target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu")
+    gen = torch.Generator().manual_seed(3)
+    target.prefill(torch.randint(2, 90, (150,), generator=gen).tolist())
+    try:
+        for tok in torch.randint(2, 90, (6,), generator=gen).tolist():
+            got = []
+            for t in (threads, 1, max(2, threads)):
+                torch.set_num_threads(t)
+                got.append(target.score([tok]).clone())  # [1, vocab]
+                target.rollback(1)
+            assert all(torch.equal(got[0], g) for g in got[1:])
+            target.score([tok])
+    finally:
+        torch.set_num_threads(threads)
