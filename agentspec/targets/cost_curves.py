@@ -83,7 +83,7 @@ class CostCurves:
             return self.curves
         data = costs.read_file(self.path)
         base = costs.parse_curve(data.get("costs"))
-        if base is None or not self._read_forms(data):
+        if not self._read_forms(data) or base is None:  # forms first: ensure() counts on it
             return None
         curves = {self.short: base}
         if self.long is not None:
@@ -143,7 +143,8 @@ class CostCurves:
             from tqdm.auto import tqdm
 
             steps = len(costs.COST_POINTS) * (1 if self.long is None else 2)
-            steps += self.forms.steps if self.forms is not None else 0
+            # (stored() has read the file's forms, if it has any: those are not measured)
+            steps += self.forms.steps if self.forms and not self.forms.forms.measured else 0
             bar = tqdm(total=steps, leave=False,
                        desc=f"measuring {self.name}'s verify cost (once per machine)")
         try:

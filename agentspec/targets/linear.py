@@ -8,12 +8,12 @@ that differs between CPUs and library builds: on one 2-core machine MKL's ``x @ 
 (``torch.nn.functional.linear``) took one pass over the weights *per row* from 2 rows on,
 and the transposed product ``(W @ xᵀ)ᵀ`` read them once; on another ``linear`` over 2-3
 rows cost what one row costs and the transposed product twice that, while from 4 rows on
-``linear`` jumped to three times one row and ``linear`` over blocks of 1,024 output rows
-(each block read once, reused by every row from the core's cache) was the fastest, with
-the best block size differing by layer shape. A fixed
-choice is right on one machine and wrong on the next, so the choice is measured.
+``linear`` jumped to three times one row and ``linear`` over slices of 128-512 output rows
+(each slice read once, reused by every row from the core's cache) was the fastest, the best
+slice size differing by layer shape. A fixed choice is right on one machine and wrong on the
+next, so the choice is measured.
 
-Three forms, the same sums in different orders (logits differ in the last bits, ~1e-6
+The forms, the same sums in different orders (logits differ in the last bits, ~1e-6
 relative, as with any change of kernel; the lossless guarantee, outputs token-identical to
 plain decoding, is tested as before):
 
@@ -115,10 +115,15 @@ def _product(form: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # [out, rows] -> [rows, out], made contiguous: a transposed view would reach
         # attention with a strided last dimension, and SDPA's flash kernel refuses it.
         return torch.matmul(weight, x.T).T.contiguous()
-    if form.startswith("blocked"):
-        block = int(form[len("blocked"):])
+    block = _block_rows(form)
+    if block:
         return torch.cat([torch.nn.functional.linear(x, w) for w in weight.split(block)], dim=1)
     return torch.nn.functional.linear(x, weight)
+
+
+def _block_rows(form: str) -> int:
+    """Rows of ``W`` per slice of a ``blockedN`` form (0: not a blocked form)."""
+    return int(form[len("blocked"):]) if form.startswith("blocked") else 0
 
 
 def _forward_with(forms: ProductForms) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
@@ -139,6 +144,15 @@ def _forward_with(forms: ProductForms) -> Callable[[torch.nn.Linear, torch.Tenso
 
 def _linears(model: Any) -> Iterable[torch.nn.Linear]:
     return (m for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+def _groups(model: Any) -> dict[Shape, list[torch.nn.Linear]]:
+    """The fp32 CPU layers whose form is measured, by shape, in the model's order."""
+    groups: dict[Shape, list[torch.nn.Linear]] = {}
+    for m in _linears(model):
+        if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            groups.setdefault((m.out_features, m.in_features), []).append(m)
+    return groups
 
 
 def install(model: Any) -> ProductForms:
@@ -186,18 +200,14 @@ def measure(model: Any, repeats: int = 3, bar: Any = None) -> Table:
     its weights in the CPU's cache and favours forms that reuse them, which a forward over
     a model larger than the cache never sees.
     """
-    groups: dict[Shape, list[torch.nn.Linear]] = {}
-    for m in _linears(model):
-        if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
-            groups.setdefault((m.out_features, m.in_features), []).append(m)
     gen = torch.Generator().manual_seed(0)
     table: Table = {}
     with torch.inference_mode():
-        for shape, layers in groups.items():
+        for shape, layers in _groups(model).items():
             _product("linear", torch.randn(2, shape[1], generator=gen), layers[0].weight)  # warm-up
             by_rows: dict[int, str] = {}
-            forms = [f for f in FORMS  # a blocked form needs 2 blocks at least
-                     if not f.startswith("blocked") or shape[0] >= 2 * int(f[7:])]
+            forms = [f for f in FORMS  # a blocked form needs 2 slices at least
+                     if shape[0] >= 2 * _block_rows(f)]
             for rows in ROW_POINTS:
                 x = torch.randn(rows, shape[1], generator=gen)  # [rows, in]
 
@@ -212,5 +222,4 @@ def measure(model: Any, repeats: int = 3, bar: Any = None) -> Table:
 
 def shapes(model: Any) -> int:
     """Distinct fp32 CPU layer shapes :func:`measure` times (a progress bar's length)."""
-    return len({(m.out_features, m.in_features) for m in _linears(model)
-                if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"})
+    return len(_groups(model))

@@ -16,10 +16,10 @@ waits for the descheduled thread, and one thread is then the faster choice, for 
 steps as much as for verifies (a one-row Qwen step measured ~1 s with two threads beside a
 one-thread matmul loop, against ~80 ms quiet). The tracker picks the cheaper estimate per
 cell and re-tries the other whenever its evidence has aged out (``explore_after`` seconds),
-so it follows the load as it comes and goes. A one-row product splits the output rows
-between threads, never a dot product, so a one-row forward gives the same bits with one
-thread or ``T`` (tested on the shipped models): plain decoding, the reference of every
-lossless guarantee, is unchanged. A verify forward's thread count may change the order of
+so it follows the load as it comes and goes. A one-row forward gives the same bits with one
+thread or ``T`` (measured and tested on both shipped models, 9-4,000 cached positions; a
+prefill does not), so plain decoding, the reference of every lossless guarantee, is
+unchanged. A verify forward's thread count may change the order of
 its sums in the last bits, as a change of kernel does; outputs are tested token-identical
 as before.
 
@@ -151,7 +151,7 @@ class LiveCost:
             self.prior, self.measured = prior, measured
             self._cells.clear()
 
-    def _choices(self, k: int) -> tuple[int, ...]:
+    def _choices(self) -> tuple[int, ...]:
         if self.threads == 1 or not self.config.adapt_threads or not self.config.learn:
             return (self.threads,)
         return (self.threads, 1)
@@ -182,12 +182,12 @@ class LiveCost:
 
     def cost(self, k: int, context: int) -> float:
         """c(k, L) now: the cheaper estimate over the thread counts the forward may use."""
-        return min(self.estimate(k, context, t) for t in self._choices(k))
+        return min(self.estimate(k, context, t) for t in self._choices())
 
     def threads_for(self, k: int, context: int) -> int:
         """The thread count to run a ``k``-row forward at ``context`` with: the cheaper
         estimate, or the other one when its evidence has aged out (exploration)."""
-        choices = self._choices(k)
+        choices = self._choices()
         if len(choices) == 1:
             return choices[0]
         now = self.clock()
