@@ -141,6 +141,43 @@ def test_oracle_is_the_upper_bound_and_none_is_one() -> None:
     assert rows["agentspec"]["mean_accepted_len"] > 3 > rows["prompt_lookup"]["mean_accepted_len"]
 
 
+def test_copy_ceiling_bounds_every_cache_drafter() -> None:
+    # No cache drafter drafts text its indexes do not hold, and from any position the
+    # ceiling jumps as far as any copy can (a copy's suffix is a copy): fewest steps.
+    sessions = _sessions()
+    rows = {r["method"]: r for r in replay_sessions(
+        sessions, ["ceiling_tenant", "ceiling_session", "agentspec", "suffix",
+                   "suffix_chain", "prompt_lookup", "none"], 16)}
+    top = rows["ceiling_tenant"]
+    assert top["ceiling_share"] == 1.0 and top["draft_acceptance"] == 1.0
+    for name, r in rows.items():
+        assert r["steps"] >= top["steps"], name
+        assert r["ceiling_share"] == pytest.approx(r["mean_accepted_len"] /
+                                                   top["mean_accepted_len"], abs=1e-3)
+    # s2's only turn copies s1's last answer: another session's text, so only the tenant
+    # ceiling (and the tenant-scoped default) can copy it.
+    assert rows["ceiling_session"]["steps"] > top["steps"]
+
+
+def test_copy_ceiling_drafts_the_longest_copy_of_the_answer() -> None:
+    from agentspec.errors import ConfigError
+    from agentspec.types import DraftContext
+    from workflows.replay.ceiling import CopyCeilingDrafter
+
+    ceiling = CopyCeilingDrafter("session")
+    prompt, answer = [1, 2, 3, 4, 5, 9], [3, 4, 5, 6, 2, 3]
+    ceiling.add(prompt, answer)
+    ctx = DraftContext(prompt, len(prompt), session=SessionRef("s"))
+    assert ceiling.propose(ctx, 8).tokens == [3, 4, 5]  # 3 4 5 6 occurs nowhere
+    ctx = DraftContext([*prompt, 3, 4, 5, 6], len(prompt), session=SessionRef("s"))
+    assert ceiling.propose(ctx, 8).tokens == [2, 3]  # the committed tokens are indexed
+    assert ceiling.propose(ctx, 1).tokens == [2]
+    other = DraftContext([*prompt, 3, 9], len(prompt), session=SessionRef("s"))
+    assert ceiling.propose(other, 8).tokens == []  # diverged from the answer: no draft
+    with pytest.raises(ConfigError, match="scope"):
+        CopyCeilingDrafter("galaxy")
+
+
 def test_tree_acceptance_keeps_the_longest_branch() -> None:
     from agentspec.types import Draft
 

@@ -135,6 +135,18 @@ def test_index_properties_and_tree() -> None:
             assert tree.probs[i] >= 0.05
 
 
+def test_longest_prefix_matches_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        idx, ref, _, _ = _random_case(rng)
+        for _ in range(4):
+            pat = [rng.randrange(5) for _ in range(rng.randint(0, 10))]
+            want = max((n for n in range(len(pat) + 1)
+                        if n == 0 or any(s[i : i + n] == pat[:n] for s in ref.seqs.values()
+                                         for i in range(len(s) - n + 1))), default=0)
+            assert idx.longest_prefix(pat) == want, (pat, ref.seqs)
+
+
 def test_edge_cases() -> None:
     idx = SuffixIndex()
     assert idx.speculate([1, 2, 3], 8) == ([], 0, 0.0)

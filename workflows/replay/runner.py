@@ -22,6 +22,11 @@ load hits them alike):
   vLLM's suffix proposer drives it (:class:`~agentspec.drafters.arctic.ArcticSuffixDrafter`);
 * ``prompt_lookup``: n-gram lookup in the request;
 * ``oracle``: drafts the real answer (the upper bound: ``max_draft + 1`` tokens per step);
+* ``ceiling_session`` / ``ceiling_tenant``: the copy ceiling (:mod:`workflows.replay.ceiling`):
+  at every step the longest continuation of the real answer found verbatim in what the
+  session's (or the tenant's) cache could hold. Every row's ``ceiling_share`` is its
+  accepted length over ``ceiling_tenant``'s when that method ran: how much of the copyable
+  text the drafter's choice finds;
 * ``none``: no drafter (1 token per step, speed-up 1.0).
 
 ``draft_us_p50`` / ``draft_us_p95`` time ``propose`` + ``observe`` of one step (the first
@@ -51,12 +56,14 @@ from agentspec.factory import build_drafter
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.types import Draft, DraftContext, VerifyResult
+from workflows.replay.ceiling import CopyCeilingDrafter
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, ReplayTurn, load_sessions
 from workflows.report.markdown import markdown_table
 
 METHODS = ("agentspec", "suffix", "suffix_python", "suffix_chain", "arctic_suffix",
-           "prompt_lookup", "oracle", "none")
-DEFAULT_METHODS = "agentspec,suffix,suffix_chain,arctic_suffix,prompt_lookup,oracle,none"
+           "prompt_lookup", "oracle", "ceiling_session", "ceiling_tenant", "none")
+DEFAULT_METHODS = ("agentspec,suffix,suffix_chain,arctic_suffix,prompt_lookup,oracle,"
+                   "ceiling_session,ceiling_tenant,none")
 
 
 def make_drafter(method: str, max_draft: int) -> Drafter | None:
@@ -79,6 +86,8 @@ def make_drafter(method: str, max_draft: int) -> Drafter | None:
         return PromptLookupDrafter()
     if method == "oracle":
         return OracleDrafter()
+    if method.startswith("ceiling_"):
+        return CopyCeilingDrafter(method.removeprefix("ceiling_"))
     if method == "none":
         return None
     raise ConfigError(f"unknown replay method {method!r}; choose from {', '.join(METHODS)}")
@@ -118,7 +127,7 @@ class MethodRun:
                     max_draft: int) -> None:
         """Decode one turn along the real answer, timing ``propose`` + ``observe``."""
         d = self.drafter
-        if isinstance(d, OracleDrafter):
+        if isinstance(d, OracleDrafter | CopyCeilingDrafter):
             d.add(prompt, output)
         tokens, plen, pos, step = list(prompt), len(prompt), 0, 0
         clock = time.perf_counter_ns
@@ -260,7 +269,11 @@ def replay_sessions(
                     run.replay_turn(turn.prompt, turn.output, args, max_draft)
                     bar.update(len(turn.output))
                 turns += 1
-    return [summarise(r, len(sessions), turns, cost, gpu_step_s) for r in runs]
+    rows = [summarise(r, len(sessions), turns, cost, gpu_step_s) for r in runs]
+    ceiling = next((r["mean_accepted_len"] for r in rows if r["method"] == "ceiling_tenant"), 0)
+    for r in rows:
+        r["ceiling_share"] = round(r["mean_accepted_len"] / ceiling, 3) if ceiling else None
+    return rows
 
 
 def measured_cost(model: str | None) -> tuple[Callable[[int], float], dict[int, float], str]:
@@ -379,6 +392,7 @@ def run_replay(
 
 
 COLUMNS = (("method", "method"), ("mean_accepted_len", "acc len"),
+           ("ceiling_share", "of ceiling"),
            ("draft_acceptance", "draft acc"), ("drafted_per_token", "drafted/tok"),
            ("draft_us_p50", "us p50"), ("draft_us_p95", "us p95"),
            ("est_speedup", "est x (c(k))"), ("est_speedup_gpu", "est x (flat)"),

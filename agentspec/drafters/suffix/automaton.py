@@ -280,6 +280,17 @@ class SuffixIndex:
             ell = ln[v]
         return v, ell
 
+    def longest_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest prefix of ``tokens`` that occurs somewhere in the index
+        (a walk from the root: every substring of an indexed sequence is a path)."""
+        v, n = 0, 0
+        for c in tokens:
+            v = self._get(v, c)
+            if v == _NONE:
+                break
+            n += 1
+        return n
+
     def _best_child(self, v: int) -> tuple[int, int, float]:
         """Most frequent continuation of state ``v`` (ties: most recent): (token, state, p)."""
         t = self._tok1[v]
