@@ -12,7 +12,8 @@ Every field of the spec that is accepted is read here:
   pick and configure the drafter (:func:`build_drafter`);
 * ``drafting.max_draft / min_draft`` configure the loop (:func:`engine_config`), and
   ``drafting.draft_gate`` (:attr:`AgentSpec.gated_drafts`) gives it a draft gate priced by
-  the target's c(k, L) (:mod:`agentspec.drafters.gate`);
+  the target's c(k, L) (:mod:`agentspec.drafters.gate`); under ``hybrid`` the HVD drafter
+  holds the gate (it gates the cache's draft before its policy picks a source);
 * ``verifier.*`` picks the verifier (:func:`agentspec.verifiers.build_verifier`), and
   ``verifier.sampler="multi_draft"`` with ``num_drafts=K > 1`` the multi-draft loop
   (:class:`~agentspec.multi_engine.MultiDraftDecoder`), drafting K i.i.d. drafts from the
@@ -97,7 +98,8 @@ def build_drafter(
             if d.method == "model":
                 return model
             return build_hybrid(target, d.hvd_policy, cache=suffix_drafter(spec, store),
-                                model=model, model_max=d.model_max)
+                                model=model, model_max=d.model_max,
+                                gate=_new_gate(spec, target))
         except AgentSpecError as exc:
             raise ConfigError(f"drafting method {d.method!r}: {exc}") from None
     raise ConfigError(f"drafting method {d.method!r} is not available in this build")
@@ -108,7 +110,13 @@ def build_gate(spec: AgentSpec, target: Target, drafter: Drafter | None) -> Draf
     the target's c(k, L) as the machine is loaded now. Its calibration spans requests, so
     whoever serves many requests keeps one per drafting policy
     (:meth:`agentspec.runtime.Runtime.gate_for`)."""
-    if drafter is not None and spec.gated_drafts and isinstance(target, ContextCostTarget):
+    if drafter is None or spec.drafting.method == "hybrid":
+        return None  # the HVD drafter gates its cache drafts itself (build_drafter)
+    return _new_gate(spec, target)
+
+
+def _new_gate(spec: AgentSpec, target: Target) -> DraftGate | None:
+    if spec.gated_drafts and isinstance(target, ContextCostTarget):
         return DraftGate(target.context_cost)
     return None
 

@@ -22,6 +22,7 @@ HvdPolicy = Literal["cost_aware", "threshold", "arctic_rule"]
 
 
 TREE_METHODS = ("suffix", "hybrid")  # drafting methods whose session cache may draft trees
+GATED_METHODS = ("suffix", "hybrid")  # drafting methods whose session-cache drafts are gated
 
 
 class DraftingPolicy(BaseModel):
@@ -47,12 +48,14 @@ class DraftingPolicy(BaseModel):
         hvd_policy: ``hybrid`` only: which source policy picks cache or model each step:
             ``cost_aware`` (default), ``threshold`` (the paper's ŷ >= τ rule) or
             ``arctic_rule`` (a hand rule on the suffix match).
-        draft_gate: ``suffix`` only: before each verification, cut or skip a draft whose
-            expected committed tokens per second at the request's context length are
-            below plain decoding's (``agentspec.drafters.gate``; lossless either way).
-            ``None`` (default): on for ``suffix`` under lossless single-draft
-            verification, on targets that measure their cost per context length
-            (see :attr:`AgentSpec.gated_drafts`).
+        draft_gate: ``suffix`` and ``hybrid``: before each verification, cut or skip a
+            session-cache draft whose expected committed tokens per second at the
+            request's context length are below plain decoding's
+            (``agentspec.drafters.gate``; lossless either way). Under ``hybrid`` the gate
+            prices the cache's whole draft and the shorter of its cut and the HVD
+            policy's is verified. ``None`` (default): on for both under lossless
+            single-draft verification, on targets that measure their cost per context
+            length (see :attr:`AgentSpec.gated_drafts`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -72,9 +75,9 @@ class DraftingPolicy(BaseModel):
         if self.tree and self.method not in TREE_METHODS:
             raise ValueError(f"tree=True needs method 'suffix' or 'hybrid' (the session "
                              f"cache drafts the trees), got method={self.method!r}")
-        if self.draft_gate and self.method != "suffix":
-            raise ValueError(f"draft_gate=True needs method 'suffix' (hybrid gates with its "
-                             f"own policy), got method={self.method!r}")
+        if self.draft_gate and self.method not in GATED_METHODS:
+            raise ValueError(f"draft_gate=True needs method 'suffix' or 'hybrid' (the gate "
+                             f"prices the session cache's drafts), got method={self.method!r}")
         return self
 
 
@@ -188,16 +191,17 @@ class AgentSpec(BaseModel):
 
     @property
     def gated_drafts(self) -> bool:
-        """Whether the engine gates the session cache's drafts by their expected payoff at
-        the request's context length: ``drafting.draft_gate`` when set, else on for
-        ``suffix`` under lossless single-draft verification (driven by real SWE-agent
-        logs, a third of decoding time went to drafts refuted at their first token; an
-        approximate verifier accepts more than the gate's labels count)."""
+        """Whether the session cache's drafts are gated by their expected payoff at the
+        request's context length (by the engine for ``suffix``, inside the HVD drafter for
+        ``hybrid``): ``drafting.draft_gate`` when set, else on for both under lossless
+        single-draft verification (driven by real SWE-agent logs, a third of decoding time
+        went to drafts refuted at their first token; an approximate verifier accepts more
+        than the gate's labels count)."""
         d = self.drafting
         if d.draft_gate is not None:
             return d.draft_gate
         v = self.verifier
-        return d.method == "suffix" and v.mode == "lossless" and v.num_drafts == 1
+        return d.method in GATED_METHODS and v.mode == "lossless" and v.num_drafts == 1
 
     @model_validator(mode="after")
     def _consistent(self) -> AgentSpec:

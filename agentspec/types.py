@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,9 @@ from agentspec.errors import ConfigError, DraftError
 
 if TYPE_CHECKING:
     import torch
+
+#: c(k, L): seconds of one target forward over k new tokens on a cache of L positions.
+ContextCost = Callable[[int, int], float]
 
 
 @dataclass(frozen=True)

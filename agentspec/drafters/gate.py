@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentspec.errors import ConfigError
 from agentspec.payoff.policy import best_length, fit_copy_acceptance
-from agentspec.types import Draft, DraftContext, VerifyResult
-
-ContextCost = Callable[[int, int], float]  # c(k, L): seconds of a k-token forward at L cached
+from agentspec.types import ContextCost, Draft, DraftContext, VerifyResult
 
 
 @dataclass(frozen=True)
@@ -217,6 +214,11 @@ class DraftGate:
         """Drop a finished (or abandoned) request's unlabelled drafts."""
         with self._lock:
             self._pending.pop(request_id, None)
+
+    def finish(self, ctx: DraftContext) -> None:
+        """:meth:`end_request` for the request of ``ctx`` (a drafter's end of request)."""
+        with self._lock:
+            self._pending.pop(_key(ctx), None)
 
 
 def _key(ctx: DraftContext) -> object:

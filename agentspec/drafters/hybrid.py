@@ -24,6 +24,13 @@ waiting for their label, the request's tenant policy) is kept per request, keyed
 :attr:`~agentspec.types.DraftContext.state_key` like the session cache's: nothing on the
 instance is "the current request", so requests may interleave.
 
+With a :class:`~agentspec.drafters.gate.DraftGate` (the product's default under lossless
+greedy-or-sampled single-draft verification), every cache draft is also priced by the gate,
+whole, at the request's context length with the tenant's calibration, as the engine gates
+the ``suffix`` method's drafts; a cache step verifies the shorter of the policy's cut and the
+gate's (none at all when the gate declines the draft). The gate sees the whole draft so its
+labels are the whole draft's, as under ``suffix``.
+
 Verification is untouched, so HVD is exactly as lossless as the verifier it runs under.
 """
 
@@ -36,6 +43,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentspec.drafters.gate import DraftGate
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.payoff.features import TokenTable, features
@@ -94,6 +102,8 @@ class HybridDrafter:
             own (``policy`` serves requests without a session); without it ``policy`` is
             shared by every request.
         max_tenants: Most per-tenant policies kept (least recently used are dropped).
+        gate: Prices every cache draft at the request's context (module docstring);
+            ``None``: the policy alone cuts them.
 
     Attributes:
         policy: The policy of requests without a session (and of every request without a
@@ -113,6 +123,7 @@ class HybridDrafter:
         name: str = "hybrid",
         policy_factory: Callable[[], SourcePolicy] | None = None,
         max_tenants: int = 1024,
+        gate: DraftGate | None = None,
     ) -> None:
         if model_max < 1:
             raise ConfigError(f"model_max must be >= 1, got {model_max!r}")
@@ -128,6 +139,7 @@ class HybridDrafter:
         self.name = name
         self.policy_factory = policy_factory
         self.max_tenants = max_tenants
+        self.gate = gate
         self._policies: OrderedDict[str, SourcePolicy] = OrderedDict()  # tenant -> policy
         self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
@@ -153,20 +165,26 @@ class HybridDrafter:
             req.pending = None
             return Draft(source=NONE)
         cache = self.cache.propose(ctx, max_tokens)
+        gate_len = len(cache.tokens)
+        if self.gate is not None and cache.tokens:
+            gate_len = len(self.gate.cut(ctx, cache).tokens)
         phi = None
         if req.policy.needs_features and self.table is not None:
             phi = features(ctx.tokens, ctx.prompt_len, cache, req.recent, self.table)
         model_len = min(self.model_max, max_tokens)
-        choice = req.policy.choose(cache, model_len, phi)
+        choice = req.policy.choose(cache, model_len, phi, len(ctx.tokens))
         self.last_choice = choice
         if cache.tokens and math.isfinite(choice.raw):
             req.shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw,
                                choice.score))
+        source = choice.source
+        if source == CACHE and gate_len == 0:
+            source = NONE  # the gate: plain decoding commits more per second here
         t0 = time.perf_counter()
         timed = True
-        if choice.source == CACHE:
-            draft = cache.truncated(max(1, choice.length))
-        elif choice.source == MODEL:
+        if source == CACHE:
+            draft = cache.truncated(min(max(1, choice.length), gate_len))
+        elif source == MODEL:
             draft = self.model.propose(ctx, max(1, min(choice.length, model_len)))
             # A model draft after a step of another source (or the request's first) also
             # syncs the drafter with every token committed meanwhile: the whole prompt, or a
@@ -176,16 +194,18 @@ class HybridDrafter:
             timed = req.last_source == MODEL
         else:
             draft = Draft(source=NONE)
-        self.wins[choice.source] = self.wins.get(choice.source, 0) + 1
-        req.last_source = choice.source
+        self.wins[source] = self.wins.get(source, 0) + 1
+        req.last_source = source
         draft_s = time.perf_counter() - t0 if timed else math.nan
-        req.pending = (choice.source, len(draft.tokens), draft_s)
+        req.pending = (source, len(draft.tokens), draft_s)
         return draft
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Forward to both sub-drafters; record the step for features and the policy."""
         self.cache.observe(ctx, result)
         self.model.observe(ctx, result)
+        if self.gate is not None:
+            self.gate.observe(ctx, result)
         req = self._requests.get(ctx.state_key)
         if req is None:  # observed without a propose: nothing of this drafter's to learn
             return
@@ -219,6 +239,8 @@ class HybridDrafter:
         with it: their continuation never came)."""
         self.cache.finish(ctx)
         self.model.finish(ctx)
+        if self.gate is not None:
+            self.gate.finish(ctx)
         self._requests.pop(ctx.state_key, None)
 
     @property

@@ -12,10 +12,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from agentspec.drafters.gate import DraftGate
 from agentspec.drafters.hybrid import HybridDrafter
 from agentspec.drafters.suffix.drafter import SuffixDrafter
 from agentspec.errors import AgentSpecError, ConfigError
-from agentspec.interfaces import Drafter, Target
+from agentspec.interfaces import ContextCostTarget, Drafter, Target
 from agentspec.payoff.features import TokenTable
 from agentspec.payoff.policy import ArcticRule, CostAwarePolicy, SourcePolicy, ThresholdPolicy
 from agentspec.payoff.predictor import PayoffPredictor, PredictorError, tokenizer_fingerprint
@@ -149,7 +150,10 @@ def make_policy(
     pred = predictor or load_predictor(target)
     if name == "threshold":
         return ThresholdPolicy(pred)
-    return CostAwarePolicy(pred, target.verify_cost)
+    # Priced at each request's context length, by the machine as loaded now, where the
+    # target tracks it (the draft gate's prices); else by the measured curve.
+    live = target.context_cost if isinstance(target, ContextCostTarget) else None
+    return CostAwarePolicy(pred, target.verify_cost, context_cost=live)
 
 
 def build_hybrid(
@@ -159,6 +163,7 @@ def build_hybrid(
     model: Drafter | None = None,
     predictor: PayoffPredictor | None = None,
     model_max: int = 6,
+    gate: DraftGate | None = None,
 ) -> HybridDrafter:
     """A :class:`HybridDrafter` for ``target`` with the named policy.
 
@@ -169,6 +174,7 @@ def build_hybrid(
         model: The model drafter (:func:`load_model_drafter` when ``None``).
         predictor: The payoff predictor (the shipped default when ``None``).
         model_max: Most tokens the model drafter drafts per step.
+        gate: Draft gate for the cache's drafts (``None``: the policy alone cuts them).
 
     Raises:
         DrafterUnavailableError: no model drafter given and none can be loaded.
@@ -183,5 +189,5 @@ def build_hybrid(
     return HybridDrafter(
         cache or SuffixDrafter(), model, pol, table, model_max=model_max,
         name=policy if policy == "arctic_rule" else "hybrid",
-        policy_factory=lambda: make_policy(policy, target, pred),
+        policy_factory=lambda: make_policy(policy, target, pred), gate=gate,
     )

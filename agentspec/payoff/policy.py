@@ -75,7 +75,7 @@ from typing import Protocol, runtime_checkable
 
 from agentspec.errors import ConfigError
 from agentspec.payoff.predictor import PayoffPredictor
-from agentspec.types import Draft
+from agentspec.types import ContextCost, Draft
 
 CACHE, MODEL, NONE = "cache", "model", "none"
 GATE_MARGIN = 0.1
@@ -111,13 +111,16 @@ class SourcePolicy(Protocol):
     name: str
     needs_features: bool
 
-    def choose(self, cache: Draft, model_len: int, phi: list[float] | None) -> Choice:
+    def choose(self, cache: Draft, model_len: int, phi: list[float] | None,
+               context: int = 0) -> Choice:
         """Pick a source for the step.
 
         Args:
             cache: The cache drafter's draft (possibly empty).
             model_len: Most tokens the model drafter may draft this step (0: unavailable).
             phi: Features of ``cache`` when ``needs_features`` (else ``None``).
+            context: Tokens the request holds (prompt and committed tokens): what the
+                step's verify forward attends to.
         """
         ...
 
@@ -285,7 +288,8 @@ class ArcticRule:
     name = "arctic_rule"
     needs_features = False
 
-    def choose(self, cache: Draft, model_len: int, phi: list[float] | None) -> Choice:
+    def choose(self, cache: Draft, model_len: int, phi: list[float] | None,
+               context: int = 0) -> Choice:
         """Compare the cache score with the model's draft length."""
         if cache.tokens and (model_len == 0 or cache.score >= model_len):
             return Choice(CACHE, len(cache.tokens))
@@ -314,7 +318,8 @@ class ThresholdPolicy:
         self.predictor = predictor
         self.tau = predictor.tau if tau is None else tau
 
-    def choose(self, cache: Draft, model_len: int, phi: list[float] | None) -> Choice:
+    def choose(self, cache: Draft, model_len: int, phi: list[float] | None,
+               context: int = 0) -> Choice:
         """Threshold the predicted accepted length of the cache draft."""
         if not cache.tokens:
             return Choice(MODEL, model_len) if model_len else Choice(NONE, 0)
@@ -336,7 +341,13 @@ class CostAwarePolicy:
 
     Args:
         predictor: The payoff predictor (ŷ of the cache draft).
-        cost: The target's measured c(k) in seconds (``HFTarget.verify_cost``).
+        cost: The target's measured c(k) in seconds (``HFTarget.verify_cost``): a curve
+            measured once, at one context length, on a quiet machine.
+        context_cost: c(k, L) as the machine is loaded now (``HFTarget.context_cost``);
+            when given, each step is priced at its request's context length (the
+            ``context`` of :meth:`choose`) instead of by ``cost``: a verified draft token
+            attends to the whole cache, so long drafts cost more over long contexts, and
+            a loaded machine changes every price. It must not measure anything.
         model_alpha: Prior per-token acceptance rate of the model drafter.
         prior_steps: Weight of the priors, in steps.
         decay: Per-step forgetting of the acceptance counts (adapts to the workload: chat
@@ -364,6 +375,7 @@ class CostAwarePolicy:
         calibration_prior: float = 8.0,
         choice_decay: float = 0.98,
         gate_margin: float = GATE_MARGIN,
+        context_cost: ContextCost | None = None,
     ) -> None:
         for label, value in (("model_alpha", model_alpha), ("miss_rate", miss_rate)):
             if not 0.0 < value < 1.0:
@@ -377,6 +389,10 @@ class CostAwarePolicy:
             raise ConfigError(f"need prior_steps > 0 and decay in (0, 1], got "
                               f"{prior_steps!r}, {decay!r}")
         self.predictor = predictor
+        self.context_cost = context_cost
+        # The cost of the step being priced (and of the labels that arrive meanwhile: a
+        # few tokens later, at about the same context): c(k), or c(k, L) at the latest
+        # step's context when ``context_cost`` is given.
         self.cost = _memo(cost)
         # Read c(k) now: a target measures its cost curve on first use (seconds), which
         # must not land inside the first decode step's drafting time.
@@ -450,8 +466,12 @@ class CostAwarePolicy:
             return 0.0
         return sorted(self._token_costs)[len(self._token_costs) // 2]
 
-    def choose(self, cache: Draft, model_len: int, phi: list[float] | None) -> Choice:
+    def choose(self, cache: Draft, model_len: int, phi: list[float] | None,
+               context: int = 0) -> Choice:
         """The source and length with the highest expected committed tokens per second."""
+        live = self.context_cost
+        if live is not None:
+            self.cost = _memo(lambda k: live(k, context))
         options = [(1.0 / self.cost(1), Choice(NONE, 0))]  # plain decoding: 1 token/forward
         y = raw = score = math.nan
         if cache.tokens:

@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.errors import ConfigError
-
-ContextCost = Callable[[int, int], float]  # c(k, L): seconds of a k-token forward at L cached
+from agentspec.types import ContextCost
 
 
 def safe_prior(k: int, context: int) -> float:

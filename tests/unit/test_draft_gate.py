@@ -139,8 +139,9 @@ def test_tenants_are_bounded() -> None:
     assert list(gate._tenants) == ["b", "c"]
 
 
-def test_spec_turns_the_gate_on_for_the_default_only() -> None:
+def test_spec_turns_the_gate_on_for_the_session_cache_methods() -> None:
     assert AgentSpec().gated_drafts
+    assert AgentSpec(drafting=DraftingPolicy(method="hybrid")).gated_drafts
     assert not AgentSpec(drafting=DraftingPolicy(draft_gate=False)).gated_drafts
     assert not AgentSpec(drafting=DraftingPolicy(method="prompt_lookup")).gated_drafts
     assert not AgentSpec(verifier=VerifierPolicy(mode="budgeted", budget=1.0)).gated_drafts

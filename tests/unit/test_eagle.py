@@ -174,6 +174,40 @@ def test_interleaved_requests_draft_as_each_alone(tiny_model: Any) -> None:
     assert shared.live_requests == 0
 
 
+def test_a_session_s_next_request_resumes_the_head_cache(tiny_model: Any) -> None:
+    """The second turn of a session (its prompt extends the first turn's tokens) keeps the
+    head entries of the pairs both share and feeds only the new ones; it decodes exactly
+    as a drafter that never saw the first turn, drafts included."""
+    from agentspec.targets.hf import HFTarget
+    from agentspec.types import SessionRef
+
+    def engine(drafter: EagleDrafter) -> SpeculativeDecoder:
+        target = HFTarget(tiny_model, None, "tiny-llama", "float32", "cpu")
+        return SpeculativeDecoder(target, drafter, config=EngineConfig(max_draft=4))
+
+    sess = SessionRef("s1", tenant="t")
+    carried = EagleDrafter(_head(tiny_model))
+    first = [3, 9, 27, 81, 50, 11, 3, 9, 27]
+    out = engine(carried).generate(first, max_tokens=20, session=sess).tokens
+    assert carried.carried_pairs == 0 and carried.live_requests == 0
+    second = [*first, *out, 60, 61, 3, 9]  # the conversation resent, a tool result after
+    eng = engine(carried)
+    got = eng.generate(second, max_tokens=20, session=sess)
+    # Pairs i < len(first + out) - 1 were fed in the first turn (all but the last one's).
+    assert 0 < carried.carried_pairs <= len(first) + len(out) - 1
+    fresh = engine(EagleDrafter(_head(tiny_model))).generate(second, max_tokens=20,
+                                                              session=sess)
+    assert got.tokens == fresh.tokens
+    assert ([(st.draft_len, st.accepted) for st in got.stats.steps]
+            == [(st.draft_len, st.accepted) for st in fresh.stats.steps])
+    # Another session, or a prompt that rewrites the history, starts from nothing.
+    edited = [4, *second[1:]]
+    before = carried.carried_pairs
+    engine(carried).generate(edited, max_tokens=5, session=sess)
+    engine(carried).generate(second, max_tokens=5, session=SessionRef("s2", tenant="t"))
+    assert carried.carried_pairs == before
+
+
 def test_min_confidence_cuts_drafts(tiny_model: Any) -> None:
     h = tiny_model.config.hidden_size
     eager = EagleDrafter(_head(tiny_model), EagleConfig(max_tokens=6, min_confidence=0.0))

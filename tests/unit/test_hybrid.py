@@ -163,7 +163,7 @@ def test_model_sync_steps_are_not_cost_samples(tiny_target) -> None:  # type: ig
             self.costs: list[float] = []
             self.every, self.n = every, 0
 
-        def choose(self, cache, model_len, phi):  # type: ignore[no-untyped-def]
+        def choose(self, cache, model_len, phi, context=0):  # type: ignore[no-untyped-def]
             self.n += 1  # with every=3: model, none, none, model, ...
             return Choice(MODEL if self.n % self.every == 1 % self.every else NONE,
                           model_len)
@@ -213,7 +213,7 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
             self.outcomes: list[tuple[float, int]] = []
             self.n = 0
 
-        def choose(self, cache, model_len, phi):  # type: ignore[no-untyped-def]
+        def choose(self, cache, model_len, phi, context=0):  # type: ignore[no-untyped-def]
             self.n += 1
             return Choice(CACHE if self.n % 2 else MODEL, 1, 5.0, float(self.n))
 
@@ -251,3 +251,41 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
     assert len(known) >= 3 and max(known) > 1  # more than the one verified token
     assert policy.outcomes == [(raw, y) for (_, _, raw, _), y in zip(Recording.shadows, known,
                                                                  strict=False)]
+
+
+def test_the_draft_gate_cuts_or_declines_the_cache_draft_it_prices_whole(tiny_target) -> None:  # type: ignore[no-untyped-def]
+    """With a draft gate the cache step verifies the shorter of the policy's cut and the
+    gate's, the gate labels whole drafts (what it calibrates on, as under ``suffix``), a
+    gate that declines turns the step plain, and the output stays exactly greedy."""
+    from agentspec.drafters.gate import DraftGate
+
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    want = hf_greedy(tiny_target.model, prompt, 30, EOS)
+
+    def run(cost):  # type: ignore[no-untyped-def]
+        gate = DraftGate(cost)
+        cuts: list[tuple[int, int]] = []
+        real = gate.cut
+
+        def cut(ctx, draft):  # type: ignore[no-untyped-def]
+            out = real(ctx, draft)
+            cuts.append((len(draft.tokens), len(out.tokens)))
+            return out
+
+        gate.cut = cut  # type: ignore[method-assign]
+        hybrid = HybridDrafter(SuffixDrafter(), ModelDrafter(tiny_target.model,
+                               ModelDrafterConfig(max_tokens=2)), _policies()["threshold"],
+                               TokenTable.blank(TINY_VOCAB), model_max=2, gate=gate)
+        eng = SpeculativeDecoder(tiny_target, hybrid, config=EngineConfig(max_draft=8),
+                                 eos_token_ids=(EOS,))
+        out = eng.generate(prompt, max_tokens=30, session=SessionRef("s"))
+        assert out.tokens == want
+        assert not gate._pending  # the request's unlabelled drafts end with it
+        return out, cuts
+
+    free, cuts = run(lambda k, context: 1.0)  # verifying costs one step: drafts whole
+    assert cuts and all(n == k for n, k in cuts)
+    assert any(s.source == "suffix" and s.draft_len > 1 for s in free.stats.steps)
+    steep, cuts = run(lambda k, context: float(k) ** 3)  # no draft pays for its forward
+    assert cuts and all(k == 0 for _, k in cuts)
+    assert not any(s.source == "suffix" for s in steep.stats.steps)

@@ -277,6 +277,30 @@ def test_cost_aware_policy_picks_the_higher_tokens_per_cost_source() -> None:
     assert pol.choose(Draft(), 6, phi).source == "none"
 
 
+def test_cost_aware_policy_prices_each_step_at_its_context_length() -> None:
+    """With the target's c(k, L), the same draft is verified whole over a short context and
+    cut over a long one, where every verified token attends to the whole cache."""
+    def flat(k: int) -> float:
+        return 1.0  # the quiet curve at one context: verifying 13 tokens costs one step
+
+    def live(k: int, context: int) -> float:
+        return 1.0 + k * context / 10_000  # attention over the cache, per verified row
+
+    cache = Draft(tokens=list(range(12)), score=3.0, match_len=4, source="suffix")
+    phi = [0.0] * NUM_FEATURES
+    pol = CostAwarePolicy(constant_predictor(3.0), flat, context_cost=live)
+    short, long = pol.choose(cache, 0, phi, context=100), pol.choose(cache, 0, phi, 40_000)
+    assert short.source == "cache" and short.length == 12
+    assert long.length < short.length
+    mix = fit_copy_acceptance(3.0, 12, pol.miss_rate)
+    want, _ = best_length(mix.expected, 12, lambda k: live(k, 40_000))
+    rate = (mix.expected(want) + 1) / live(want + 1, 40_000)
+    assert long.length == (want if rate > 1 / live(1, 40_000) else 0)
+    # Without it the measured curve prices every context alike.
+    base = CostAwarePolicy(constant_predictor(3.0), flat)
+    assert base.choose(cache, 0, phi, 40_000).length == 12
+
+
 def test_threshold_and_arctic_rules() -> None:
     cache = Draft(tokens=[1, 2, 3, 4], score=4.0, source="suffix")
     phi = [0.0] * NUM_FEATURES

@@ -27,6 +27,16 @@ drafts nothing rather than guessing.
 Each request's feature stream and head cache are its own, keyed by request id
 (:attr:`~agentspec.types.DraftContext.state_key`), so requests may interleave.
 
+A session's next request usually resends the conversation, so its prompt extends the last
+request's tokens. A finished request's head cache is therefore kept for its session (at
+most ``_MAX_CARRY`` sessions) and the session's next request starts from it: the entries of
+the pairs the new prompt still agrees with are kept, and the first draft catches up only the
+pairs after them (a new tool result) instead of the whole prompt. An entry is a function of
+the pair's feature row and token and the entries before it, and a position's feature row
+is a function of the tokens up to it, so a kept entry is what the new request would have
+computed (up to the last bits of the arithmetic); drafts only propose, so the output stays
+exactly the target's either way.
+
 Artifacts: one safetensors file, the head's tensors in fp16, ``draft_vocab`` as an int32
 tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`:
 ``$AGENTSPEC_HOME/drafters/<target>-eagle.safetensors`` (what
@@ -49,6 +59,7 @@ from agentspec.drafters.model.eagle_head import EagleHead, HeadCache, HeadSpec
 from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.interfaces import ModelTarget, Target
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
+from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["EagleConfig", "EagleDrafter", "build_head", "eagle_path", "load_default_eagle",
@@ -100,6 +111,24 @@ class _Stream:
 # that never finish (an abandoned stream) age out. The runtime's lock decodes one request
 # at a time, so more than a few live at once is a leak, not traffic.
 _MAX_STREAMS = 16
+# Finished requests' head caches kept for their sessions' next requests (each ~1 KiB per
+# position on Qwen2.5-0.5B's head: 2 KV heads x 64 dims x keys and values in fp32).
+_MAX_CARRY = 16
+
+
+@dataclass
+class _Carry:
+    """A finished request's head cache, kept for its session's next request.
+
+    Attributes:
+        tokens: The tokens ``x_0 .. x_fed`` of the pairs in ``cache``.
+        cache: The head's entries of pairs ``i < fed``.
+        fed: Pairs in ``cache``.
+    """
+
+    tokens: list[int]
+    cache: HeadCache
+    fed: int
 
 
 class EagleDrafter:
@@ -127,6 +156,8 @@ class EagleDrafter:
         self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
         self._vocab = spec.target_vocab
         self._streams: OrderedDict[Hashable, _Stream] = OrderedDict()
+        self._carry: OrderedDict[tuple[str, str], _Carry] = OrderedDict()
+        self.carried_pairs = 0  # head entries reused from a session's earlier request
 
     def _new_stream(self, key: Hashable) -> _Stream:
         spec = self.head.spec
@@ -161,15 +192,19 @@ class EagleDrafter:
         """
         if start == 0:  # a new request: its prompt's rows
             stream = self._new_stream(ctx.state_key)
+            self._resume(stream, ctx)
             stream.in_sync = True
         else:
             stream = self._stream(ctx, "features")
         if start != stream.n_feats:  # a gap or overlap: stop drafting for this request
             stream.in_sync = False
             return
-        if features.shape[0]:
-            stream.feats.append(features.detach())
-            stream.n_feats += int(features.shape[0])
+        m = int(features.shape[0])
+        if m:
+            skip = max(0, stream.fed - start)  # rows whose pairs a carried cache holds
+            if skip < m:
+                stream.feats.append(features[skip:].detach())
+            stream.n_feats += m
 
     # -- the Drafter protocol -------------------------------------------------------------
 
@@ -223,8 +258,33 @@ class EagleDrafter:
         """Nothing: the committed rows arrive through :meth:`observe_features`."""
 
     def finish(self, ctx: DraftContext) -> None:
-        """Release the request's feature stream and head cache."""
-        self._streams.pop(ctx.state_key, None)
+        """Release the request's feature stream; its head cache is kept for the session's
+        next request (module docstring)."""
+        stream = self._streams.pop(ctx.state_key, None)
+        s = ctx.session
+        if stream is None or s is None or not stream.in_sync or stream.fed < 1:
+            return
+        key = (s.tenant, s.session_id)
+        self._carry[key] = _Carry(list(ctx.tokens[: stream.fed + 1]), stream.cache, stream.fed)
+        self._carry.move_to_end(key)
+        while len(self._carry) > _MAX_CARRY:
+            self._carry.popitem(last=False)
+
+    def _resume(self, stream: _Stream, ctx: DraftContext) -> None:
+        """Start ``stream`` from its session's carried head cache, cropped to the pairs its
+        prompt still agrees with, leaving at least one pair to feed (the catch-up's last
+        output is the first draft's ``f̂``)."""
+        s = ctx.session
+        carry = self._carry.pop((s.tenant, s.session_id), None) if s is not None else None
+        if carry is None:
+            return
+        # Pair i needs x_{i+1}: pairs below common_prefix - 1 are the same pairs.
+        keep = min(carry.fed, common_prefix(carry.tokens, ctx.tokens) - 1, len(ctx.tokens) - 2)
+        if keep < 1:
+            return
+        carry.cache.crop(keep)
+        stream.cache, stream.fed = carry.cache, keep
+        self.carried_pairs += keep
 
     def begin_request(
         self, session: SessionRef | None, rng: Any, request_id: str | None = None
