@@ -255,6 +255,29 @@ class Draft:
             paths.append(path[::-1])
         return sorted(paths, key=lambda path: (-len(path), path[-1]))
 
+    def followed_length(self, continuation: Sequence[int]) -> int | None:
+        """How many of the draft's tokens (a chain or a tree) ``continuation`` follows from
+        the root: its *full-length accepted length* once the true continuation is known,
+        whatever part of it was verified. ``None`` while ``continuation`` ends before a
+        mismatch or a leaf (not known yet). The one label of every payoff estimate (the
+        draft gate's, the HVD policy's calibration)."""
+        parents, tokens = self.parents, self.tokens
+        depth, node, n = 0, -1, len(tokens)
+        while True:
+            if parents is None:
+                children = [node + 1] if node + 1 < n else []
+            else:
+                children = [i for i in range(node + 1, n) if parents[i] == node]
+            if not children:
+                return depth  # a leaf: the whole path was followed
+            if depth >= len(continuation):
+                return None
+            want = continuation[depth]
+            node = next((i for i in children if tokens[i] == want), -2)
+            if node == -2:
+                return depth
+            depth += 1
+
     def first_branch(self) -> Draft:
         """A tree's main branch as a chain: from the first root, each node's first-listed
         child (drafters list the likeliest continuation first); a chain is returned as is."""

@@ -24,8 +24,9 @@ Lossless either way: the gate only chooses which draft tokens get verified.
 
 Labels. A draft verified whole shows its y at once; a cut or skipped one shows it in the
 tokens committed in the following steps (y is the longest root path of the draft that the
-committed continuation follows), so each request keeps its drafts until their labels are
-known, and drops the unresolved ones when it ends.
+committed continuation follows: :meth:`~agentspec.types.Draft.followed_length`), so
+each request keeps its drafts until their labels are known, and drops the unresolved ones
+when it ends.
 
 Measured on those 30 turns (embedded model, greedy, identical outputs): 617 forwards
 instead of 523, 4,717 draft tokens verified instead of 7,403, and decoding 57.3 s instead of
@@ -88,28 +89,6 @@ class GateConfig:
 def bucket(match_len: int) -> int:
     """Calibration cell of a draft: its match length's power-of-two bucket."""
     return min(max(match_len, 0), 64).bit_length()
-
-
-def followed_length(draft: Draft, continuation: list[int]) -> int | None:
-    """How many tokens of ``draft`` (a chain or a tree) the ``continuation`` follows from
-    its root; ``None`` while the continuation ends before a mismatch or a leaf."""
-    parents = draft.parents
-    depth, node = 0, -1
-    n = len(draft.tokens)
-    while True:
-        if parents is None:
-            children = [node + 1] if node + 1 < n else []
-        else:
-            children = [i for i in range(node + 1, n) if parents[i] == node]
-        if not children:
-            return depth  # a leaf: the whole path was followed
-        if depth >= len(continuation):
-            return None  # not known yet
-        want = continuation[depth]
-        node = next((i for i in children if draft.tokens[i] == want), -2)
-        if node == -2:
-            return depth
-        depth += 1
 
 
 @dataclass
@@ -202,7 +181,7 @@ class DraftGate:
             tokens = ctx.tokens
             keep = []
             for p in pending:
-                label = followed_length(p.draft, [*tokens[p.start:], *result.tokens])
+                label = p.draft.followed_length([*tokens[p.start:], *result.tokens])
                 if label is None:
                     keep.append(p)
                     continue

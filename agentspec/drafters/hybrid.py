@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,6 @@ from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
-from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["HybridDrafter"]
@@ -56,14 +55,6 @@ __all__ = ["HybridDrafter"]
 _RECENT_KEEP = 16  # steps of (draft_len, accepted) kept for the features
 _SHADOW_KEEP = 64  # cache drafts waiting for their full-length label
 _MAX_REQUESTS = 256  # live requests kept (requests that never finish age out)
-
-
-def full_length_label(draft: Sequence[int], continuation: Sequence[int]) -> int | None:
-    """How many tokens of ``draft`` the true ``continuation`` confirms, once it is known:
-    the common prefix length if a mismatch is seen or the whole draft matched, ``None``
-    while the continuation is still shorter than that (the label is not known yet)."""
-    m = common_prefix(draft, continuation)
-    return m if m == len(draft) or m < len(continuation) else None
 
 
 @dataclass
@@ -76,14 +67,15 @@ class _Request:
         pending: ``(source, draft_len, draft_s)`` of the step drafted, not yet verified.
         last_source: The previous step's source.
         shadow: ``(start, full cache draft, raw ŷ, its score)`` of recent steps, labelled
-            from later tokens.
+            from later tokens (:meth:`~agentspec.types.Draft.followed_length`: a tree's
+            label is its longest followed root path).
     """
 
     policy: SourcePolicy
     recent: list[tuple[int, int]] = field(default_factory=list)
     pending: tuple[str, int, float] | None = None
     last_source: str = NONE
-    shadow: deque[tuple[int, tuple[int, ...], float, float]] = field(
+    shadow: deque[tuple[int, Draft, float, float]] = field(
         default_factory=lambda: deque(maxlen=_SHADOW_KEEP))
 
 
@@ -175,8 +167,7 @@ class HybridDrafter:
         choice = req.policy.choose(cache, model_len, phi, len(ctx.tokens))
         self.last_choice = choice
         if cache.tokens and math.isfinite(choice.raw):
-            req.shadow.append((len(ctx.tokens), tuple(cache.tokens), choice.raw,
-                               choice.score))
+            req.shadow.append((len(ctx.tokens), cache, choice.raw, choice.score))
         source = choice.source
         if source == CACHE and gate_len == 0:
             source = NONE  # the gate: plain decoding commits more per second here
@@ -228,11 +219,11 @@ class HybridDrafter:
         committed = list(ctx.tokens[base:]) + list(result.tokens)  # from the oldest start
         while req.shadow:
             start, draft, raw, score = req.shadow[0]
-            label = full_length_label(draft, committed[start - base:])
+            label = draft.followed_length(committed[start - base:])
             if label is None:  # drafts start in order: later ones are not due either
                 break
             req.shadow.popleft()
-            req.policy.outcome(raw, label, score, len(draft))
+            req.policy.outcome(raw, label, score, len(draft.tokens))
 
     def finish(self, ctx: DraftContext) -> None:
         """Forward to both sub-drafters; the request's state ends (unlabelled cache drafts

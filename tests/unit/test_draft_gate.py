@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentspec.drafters.gate import DraftGate, GateConfig, bucket, followed_length
+from agentspec.drafters.gate import DraftGate, GateConfig, bucket
 from agentspec.engine import SpeculativeDecoder
 from agentspec.errors import AgentSpecError
 from agentspec.factory import build_drafter, build_engine
@@ -35,18 +35,19 @@ def ctx(tokens: list[int], rid: str = "r", tenant: str = "t") -> DraftContext:
 
 
 def test_followed_length_walks_chains_and_trees() -> None:
+    # The full-length label of a draft: what the gate and the HVD policy learn from.
     chain = Draft([5, 6, 7])
-    assert followed_length(chain, [5, 6, 9]) == 2
-    assert followed_length(chain, [5, 6, 7, 8]) == 3  # the leaf: all of it
-    assert followed_length(chain, [5, 6]) is None  # not known yet
-    assert followed_length(chain, [9]) == 0
+    assert chain.followed_length([5, 6, 9]) == 2
+    assert chain.followed_length([5, 6, 7, 8]) == 3  # the leaf: all of it
+    assert chain.followed_length([5, 6]) is None  # not known yet
+    assert chain.followed_length([9]) == 0
     # root -> 5 -> {6, 8}; 6 -> 7
     tree = Draft([5, 6, 8, 7], [-1, 0, 0, 1])
-    assert followed_length(tree, [5, 8, 1]) == 2
-    assert followed_length(tree, [5, 6, 7]) == 3
-    assert followed_length(tree, [5, 6, 3]) == 2
-    assert followed_length(tree, [5]) is None
-    assert followed_length(Draft([]), []) == 0
+    assert tree.followed_length([5, 8, 1]) == 2
+    assert tree.followed_length([5, 6, 7]) == 3
+    assert tree.followed_length([5, 6, 3]) == 2
+    assert tree.followed_length([5]) is None
+    assert Draft([]).followed_length([]) == 0
 
 
 def test_buckets_are_powers_of_two() -> None:

@@ -190,7 +190,8 @@ def test_model_sync_steps_are_not_cost_samples(tiny_target) -> None:  # type: ig
 
 
 def test_full_length_labels() -> None:
-    from agentspec.drafters.hybrid import full_length_label
+    def full_length_label(tokens: list[int], continuation: list[int]) -> int | None:
+        return Draft(tokens=tokens).followed_length(continuation)
 
     assert full_length_label([1, 2, 3], [1, 2]) is None  # not known yet
     assert full_length_label([1, 2, 3], [1, 2, 3, 4]) == 3
@@ -203,7 +204,6 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
     """The policy learns what each cache draft would have scored at full length, from the
     tokens committed later, even when only one token of it was verified or the model won."""
     from agentspec.drafters import OracleDrafter
-    from agentspec.drafters.hybrid import full_length_label
     from agentspec.payoff.policy import CACHE, MODEL, Choice
 
     class CutEverything:
@@ -246,7 +246,7 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
     policy.outcomes.clear()
     out = eng.generate(prompt, max_tokens=40, session=SessionRef("s"))
     final = prompt + list(out.tokens)
-    expected = [full_length_label(d, final[start:]) for start, d, *_ in Recording.shadows]
+    expected = [d.followed_length(final[start:]) for start, d, *_ in Recording.shadows]
     known = expected[: expected.index(None)] if None in expected else expected
     assert len(known) >= 3 and max(known) > 1  # more than the one verified token
     assert policy.outcomes == [(raw, y) for (_, _, raw, _), y in zip(Recording.shadows, known,
