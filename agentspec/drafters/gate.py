@@ -37,10 +37,10 @@ instead of 523, 4,717 draft tokens verified instead of 7,403, and decoding 57.3 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from agentspec.errors import ConfigError
+from agentspec.lru import LRU
 from agentspec.payoff.policy import best_length, fit_copy_acceptance
 from agentspec.types import ContextCost, Draft, DraftContext, VerifyResult
 
@@ -131,17 +131,15 @@ class DraftGate:
     def __init__(self, cost: ContextCost, config: GateConfig | None = None) -> None:
         self.cost = cost
         self.config = config or GateConfig()
-        self._tenants: OrderedDict[str, _Calibration] = OrderedDict()
+        self._tenants: LRU[str, _Calibration] = LRU(self.config.max_tenants)
         self._pending: dict[object, list[_Pending]] = {}  # request id -> its drafts
         self._lock = threading.Lock()
 
     def _calibration(self, tenant: str) -> _Calibration:
-        cal = self._tenants.get(tenant)
+        cal = self._tenants.touch(tenant)
         if cal is None:
-            cal = self._tenants[tenant] = _Calibration()
-            while len(self._tenants) > self.config.max_tenants:
-                self._tenants.popitem(last=False)
-        self._tenants.move_to_end(tenant)
+            cal = _Calibration()
+            self._tenants.put(tenant, cal)
         return cal
 
     def length(self, draft: Draft, context: int, ratio: float) -> int:

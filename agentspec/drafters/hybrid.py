@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,7 @@ from typing import Any
 from agentspec.drafters.gate import DraftGate
 from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
+from agentspec.lru import LRU
 from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -132,20 +133,18 @@ class HybridDrafter:
         self.policy_factory = policy_factory
         self.max_tenants = max_tenants
         self.gate = gate
-        self._policies: OrderedDict[str, SourcePolicy] = OrderedDict()  # tenant -> policy
-        self._requests: OrderedDict[Hashable, _Request] = OrderedDict()
+        self._policies: LRU[str, SourcePolicy] = LRU(max_tenants)  # tenant -> policy
+        self._requests: LRU[Hashable, _Request] = LRU(_MAX_REQUESTS)
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
         self.last_choice: Any = None
 
     def _request(self, ctx: DraftContext) -> _Request:
         """The state of ``ctx``'s request; a new one at its first step (or when unknown)."""
         key = ctx.state_key
-        req = self._requests.get(key)
+        req = self._requests.touch(key)
         if req is None or ctx.step == 0:
-            req = self._requests[key] = _Request(self.policy_for(ctx.session))
-            while len(self._requests) > _MAX_REQUESTS:
-                self._requests.popitem(last=False)
-        self._requests.move_to_end(key)
+            req = _Request(self.policy_for(ctx.session))
+            self._requests.put(key, req)
         return req
 
     # -- the Drafter protocol -------------------------------------------------------------
@@ -232,7 +231,7 @@ class HybridDrafter:
         self.model.finish(ctx)
         if self.gate is not None:
             self.gate.finish(ctx)
-        self._requests.pop(ctx.state_key, None)
+        self._requests.pop(ctx.state_key)
 
     @property
     def wants_features(self) -> bool:
@@ -250,12 +249,10 @@ class HybridDrafter:
         if self.policy_factory is None or session is None:
             return self.policy
         tenant = session.tenant
-        pol = self._policies.get(tenant)
+        pol = self._policies.touch(tenant)
         if pol is None:
-            pol = self._policies[tenant] = self.policy_factory()
-            while len(self._policies) > self.max_tenants:
-                self._policies.popitem(last=False)
-        self._policies.move_to_end(tenant)
+            pol = self.policy_factory()
+            self._policies.put(tenant, pol)
         return pol
 
     def begin_request(

@@ -35,7 +35,6 @@ reproducible only for the same drafts (B = 0 is strict greedy, drafter-independe
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +42,7 @@ import torch
 
 from agentspec.errors import ConfigError, RequestStateError
 from agentspec.interfaces import Verifier
+from agentspec.lru import LRU
 from agentspec.storage.ledger import RegretLedger
 from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
 from agentspec.verifiers.block import BlockVerifier
@@ -184,7 +184,7 @@ class BudgetedVerifier:
         self.config = config or BudgetConfig()
         self.ledger = ledger
         self.sampler: Verifier = sampler or KeyedVerifier(BlockVerifier())
-        self._accounts: OrderedDict[str | None, BudgetAccount] = OrderedDict()
+        self._accounts: LRU[str | None, BudgetAccount] = LRU(_MAX_REQUESTS)
 
     def begin_request(
         self, session: SessionRef | None, rng: torch.Generator | None = None,
@@ -204,10 +204,7 @@ class BudgetedVerifier:
             entry = self.ledger.count_request(session)
             if self.config.scope == "session":
                 account.spent = entry.regret
-        self._accounts[request_id] = account
-        self._accounts.move_to_end(request_id)
-        while len(self._accounts) > _MAX_REQUESTS:  # requests that never ended age out
-            self._accounts.popitem(last=False)
+        self._accounts.put(request_id, account)  # requests that never ended age out
 
     def end_request(self, request_id: str | None) -> None:
         """Release the account of ``request_id`` (the engine calls this when the request
@@ -216,7 +213,7 @@ class BudgetedVerifier:
         Raises:
             RequestStateError: no live request has that id.
         """
-        if self._accounts.pop(request_id, None) is None:
+        if self._accounts.pop(request_id) is None:
             raise RequestStateError(
                 f"BudgetedVerifier: cannot end request {request_id!r}: it was never begun "
                 "or has already ended")

@@ -222,12 +222,12 @@ def test_carried_indexes_and_latest_turns_stay_within_their_token_budgets(
         ref = SessionRef(f"s{i % 5}")
         _run(drafter, [rng.randrange(100, 900) for _ in range(120)], [5, 6, 7], ref, f"r{i}")
         with drafter._lock:
-            assert drafter._carry_tokens == sum(r.n for r in drafter._carry.values()) <= 500
-            assert drafter._last_turn_tokens == sum(map(len, drafter._last_turn.values()))
-            assert drafter._last_turn_tokens <= 800
+            assert drafter._carry.total_weight == sum(r.n for r in drafter._carry.values()) <= 500
+            assert drafter._last_turn.total_weight == sum(map(len, drafter._last_turn.values()))
+            assert drafter._last_turn.total_weight <= 800
     drafter.forget(SessionRef("s1"))
     with drafter._lock:
-        assert drafter._carry_tokens == sum(r.n for r in drafter._carry.values())
+        assert drafter._carry.total_weight == sum(r.n for r in drafter._carry.values())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

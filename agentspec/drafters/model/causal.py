@@ -24,7 +24,6 @@ cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError
+from agentspec.lru import LRU
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys, sample
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
@@ -101,7 +101,7 @@ class ModelDrafter:
         # Each request's generator, keyed by DraftContext.state_key (bounded: requests that
         # never finish age out). The KV cache below is the model's, not a request's: it is
         # re-synced (cropped to the common prefix) with whatever context comes next.
-        self._rngs: OrderedDict[Hashable, torch.Generator] = OrderedDict()
+        self._rngs: LRU[Hashable, torch.Generator] = LRU(_MAX_REQUESTS)
         self._cache: Any = None
         self._cached: list[int] = []  # tokens whose keys/values the cache holds
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
@@ -216,11 +216,8 @@ class ModelDrafter:
         drafter's own seed.
         """
         key = ("id", request_id) if request_id is not None else ("session", session)
-        self._rngs[key] = rng if rng is not None else torch.Generator().manual_seed(
-            self.config.seed)
-        self._rngs.move_to_end(key)
-        while len(self._rngs) > _MAX_REQUESTS:
-            self._rngs.popitem(last=False)
+        self._rngs.put(key, rng if rng is not None else torch.Generator().manual_seed(
+            self.config.seed))
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Nothing to do: the next :meth:`propose` syncs the cache with the new context."""
@@ -228,7 +225,7 @@ class ModelDrafter:
     def finish(self, ctx: DraftContext) -> None:
         """Drop the request's generator; a new request's context is synced (cropped) on
         first use."""
-        self._rngs.pop(ctx.state_key, None)
+        self._rngs.pop(ctx.state_key)
 
     def reset(self) -> None:
         """Drop the KV cache."""

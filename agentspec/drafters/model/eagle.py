@@ -46,7 +46,6 @@ tensor and :meth:`HeadSpec.metadata`. Lookup order of :func:`load_default_eagle`
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +57,7 @@ import torch
 from agentspec.drafters.model.eagle_head import EagleHead, HeadCache, HeadSpec
 from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.interfaces import ModelTarget, Target
+from agentspec.lru import LRU
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
@@ -155,16 +155,14 @@ class EagleDrafter:
         self._ids = torch.tensor(spec.draft_vocab, dtype=torch.long)  # [N] -> full vocab id
         self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
         self._vocab = spec.target_vocab
-        self._streams: OrderedDict[Hashable, _Stream] = OrderedDict()
-        self._carry: OrderedDict[tuple[str, str], _Carry] = OrderedDict()
+        self._streams: LRU[Hashable, _Stream] = LRU(_MAX_STREAMS)
+        self._carry: LRU[tuple[str, str], _Carry] = LRU(_MAX_CARRY)
         self.carried_pairs = 0  # head entries reused from a session's earlier request
 
     def _new_stream(self, key: Hashable) -> _Stream:
         spec = self.head.spec
-        stream = self._streams[key] = _Stream(HeadCache(spec.kv_heads, spec.head_dim))
-        self._streams.move_to_end(key)
-        while len(self._streams) > _MAX_STREAMS:
-            self._streams.popitem(last=False)
+        stream = _Stream(HeadCache(spec.kv_heads, spec.head_dim))
+        self._streams.put(key, stream)
         return stream
 
     def _stream(self, ctx: DraftContext, what: str) -> _Stream:
@@ -260,22 +258,20 @@ class EagleDrafter:
     def finish(self, ctx: DraftContext) -> None:
         """Release the request's feature stream; its head cache is kept for the session's
         next request (module docstring)."""
-        stream = self._streams.pop(ctx.state_key, None)
+        stream = self._streams.pop(ctx.state_key)
         s = ctx.session
         if stream is None or s is None or not stream.in_sync or stream.fed < 1:
             return
         key = (s.tenant, s.session_id)
-        self._carry[key] = _Carry(list(ctx.tokens[: stream.fed + 1]), stream.cache, stream.fed)
-        self._carry.move_to_end(key)
-        while len(self._carry) > _MAX_CARRY:
-            self._carry.popitem(last=False)
+        self._carry.put(key, _Carry(list(ctx.tokens[: stream.fed + 1]), stream.cache,
+                                    stream.fed))
 
     def _resume(self, stream: _Stream, ctx: DraftContext) -> None:
         """Start ``stream`` from its session's carried head cache, cropped to the pairs its
         prompt still agrees with, leaving at least one pair to feed (the catch-up's last
         output is the first draft's ``f̂``)."""
         s = ctx.session
-        carry = self._carry.pop((s.tenant, s.session_id), None) if s is not None else None
+        carry = self._carry.pop((s.tenant, s.session_id)) if s is not None else None
         if carry is None:
             return
         # Pair i needs x_{i+1}: pairs below common_prefix - 1 are the same pairs.

@@ -62,6 +62,7 @@ from agentspec.drafters.suffix.levels import (
 )
 from agentspec.errors import AgentSpecError
 from agentspec.interfaces import TurnStore
+from agentspec.lru import LRU
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
@@ -76,6 +77,10 @@ _MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age
 # (8 bytes per token: the token objects are shared with the caller's lists).
 _CARRY_TOKENS = 1 << 19
 _LAST_TURN_TOKENS = 1 << 22
+
+
+def _request_tokens(req: Request) -> int:
+    return req.n
 
 
 def _neg_score(spec: Speculation) -> float:
@@ -105,16 +110,17 @@ class SuffixDrafter:
         self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
         self.requests_started = 0  # request indexes built or carried (lifecycle starts)
-        self._requests: OrderedDict[Hashable, Request] = OrderedDict()
+        self._requests: LRU[Hashable, Request] = LRU(_MAX_REQUESTS)
         self._pools: OrderedDict[tuple[str, ...], Pool] = OrderedDict()
         # Per (tenant, session): the tokens of its latest finished turn and, while the next
         # request has not started, that turn's request index (agents resend the
         # conversation, so the next prompt usually extends it: the index is carried over
         # and extended instead of rebuilt from a 30k-token prompt).
-        self._last_turn: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        self._carry: OrderedDict[tuple[str, str], Request] = OrderedDict()
-        self._carry_tokens = 0
-        self._last_turn_tokens = 0
+        # Both bounded by tokens (the latest turn is kept whatever its length).
+        self._last_turn: LRU[tuple[str, str], list[int]] = LRU(
+            max_weight=_LAST_TURN_TOKENS, weight=len, min_items=1)
+        self._carry: LRU[tuple[str, str], Request] = LRU(
+            max_weight=_CARRY_TOKENS, weight=_request_tokens)
         self._calib: dict[str, Calibration] = {}
         self._seq = 0
         self._lock = threading.Lock()
@@ -128,7 +134,7 @@ class SuffixDrafter:
     def stop_request(self, ctx: DraftContext) -> None:
         """End a request without adding it to any history (aborted, or not worth keeping)."""
         with self._lock:
-            self._requests.pop(ctx.state_key, None)
+            self._requests.pop(ctx.state_key)
 
     # ----------------------------------------------------------------- Drafter protocol
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
@@ -218,7 +224,7 @@ class SuffixDrafter:
         """End the request; add its new tokens to the history indexes (the caller
         persists the turn: see the module docstring)."""
         with self._lock:
-            req = self._requests.pop(ctx.state_key, None)
+            req = self._requests.pop(ctx.state_key)
             if ctx.session is None:
                 return
             tokens = [int(t) for t in ctx.tokens]
@@ -244,11 +250,9 @@ class SuffixDrafter:
         """
         with self._lock:
             for key in [k for k, r in self._requests.items() if r.session == ref]:
-                del self._requests[key]
-            old = self._last_turn.pop((ref.tenant, ref.session_id), None)
-            self._last_turn_tokens -= len(old) if old is not None else 0
-            gone = self._carry.pop((ref.tenant, ref.session_id), None)
-            self._carry_tokens -= gone.n if gone is not None else 0
+                self._requests.pop(key)
+            self._last_turn.pop((ref.tenant, ref.session_id))
+            self._carry.pop((ref.tenant, ref.session_id))
             for key in visible_keys(ref, "tenant"):
                 pool = self._pools.get(key)
                 if pool is None:
@@ -293,10 +297,7 @@ class SuffixDrafter:
         if ctx.session is not None and cfg.use_history:
             req.pools = self._visible(ctx.session, req.carried)
         key = ctx.state_key
-        self._requests[key] = req
-        self._requests.move_to_end(key)
-        while len(self._requests) > _MAX_REQUESTS:
-            self._requests.popitem(last=False)
+        self._requests.put(key, req)
         return req
 
     def _attach_outputs(self, ctx: DraftContext, req: Request) -> None:
@@ -435,26 +436,17 @@ class SuffixDrafter:
     def _remember(self, ref: SessionRef, tokens: list[int], req: Request | None) -> None:
         """Keep a session's latest turn (and its index, to carry into the next request)."""
         key = (ref.tenant, ref.session_id)
-        old = self._last_turn.pop(key, None)
-        self._last_turn_tokens += len(tokens) - (len(old) if old is not None else 0)
-        self._last_turn[key] = tokens
-        while self._last_turn_tokens > _LAST_TURN_TOKENS and len(self._last_turn) > 1:
-            self._last_turn_tokens -= len(self._last_turn.popitem(last=False)[1])
-        gone = self._carry.pop(key, None)
-        self._carry_tokens -= gone.n if gone is not None else 0
+        self._last_turn.put(key, tokens)
+        self._carry.pop(key)
         if req is not None and req.n == len(tokens):
-            self._carry[key] = req
-            self._carry_tokens += req.n
-            while self._carry_tokens > _CARRY_TOKENS and self._carry:
-                self._carry_tokens -= self._carry.popitem(last=False)[1].n
+            self._carry.put(key, req)
 
     def _carried(self, ctx: DraftContext) -> Request | None:
         """The session's previous request index when ``ctx.tokens`` extends its tokens."""
         if ctx.session is None:
             return None
         key = (ctx.session.tenant, ctx.session.session_id)
-        req = self._carry.pop(key, None)
-        self._carry_tokens -= req.n if req is not None else 0
+        req = self._carry.pop(key)
         prev = self._last_turn.get(key)
         if req is None or prev is None or len(ctx.tokens) < len(prev):
             return None

@@ -6,10 +6,11 @@ See :mod:`agentspec.drafters.suffix.drafter` for how they fit together.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 from agentspec.drafters.suffix.index import Speculation, Tree
+from agentspec.lru import LRU
 from agentspec.tokens import common_prefix
 from agentspec.types import DraftContext, SessionRef
 
@@ -135,7 +136,7 @@ class Pool:
         # a tenant opening session after session must not grow it forever. A session
         # forgotten here and seen again reloads its turns (a duplicate in the tree: it
         # shifts counts, never a verified token).
-        self.sessions: OrderedDict[str, None] = OrderedDict()
+        self.sessions: LRU[str, None] = LRU(MAX_LOADED_SESSIONS)
         self.pending: deque[tuple[int, list[int]]] = deque()  # (seq id, tokens), oldest first
         self.pending_tokens = 0
 
@@ -189,14 +190,11 @@ class Pool:
             self._discard(sid, n)
             self.tokens -= n
         self.turns = deque(t for t in self.turns if t[0] != session_id)
-        self.sessions.pop(session_id, None)
+        self.sessions.pop(session_id)
 
     def mark_loaded(self, session_id: str) -> None:
         """Note that ``session_id``'s stored turns are in this index (bounded LRU)."""
-        self.sessions[session_id] = None
-        self.sessions.move_to_end(session_id)
-        while len(self.sessions) > MAX_LOADED_SESSIONS:
-            self.sessions.popitem(last=False)
+        self.sessions.put(session_id, None)
 
 
 def lazy_levels(pools: list[tuple[str, Pool]]) -> list[bool]:
