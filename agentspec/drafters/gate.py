@@ -187,15 +187,14 @@ class DraftGate:
                                                   p.draft.score, self.config.decay)
             pending[:] = keep
 
-    def end_request(self, request_id: str) -> None:
+    def end_request(self, request_id: object) -> None:
         """Drop a finished (or abandoned) request's unlabelled drafts."""
         with self._lock:
             self._pending.pop(request_id, None)
 
     def finish(self, ctx: DraftContext) -> None:
         """:meth:`end_request` for the request of ``ctx`` (a drafter's end of request)."""
-        with self._lock:
-            self._pending.pop(_key(ctx), None)
+        self.end_request(_key(ctx))
 
 
 def _key(ctx: DraftContext) -> object:

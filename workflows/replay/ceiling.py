@@ -23,17 +23,18 @@ new sequence. Matches never span two sequences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from agentspec.drafters.oracle import OracleDrafter
 from agentspec.drafters.suffix.automaton import SuffixIndex
 from agentspec.errors import ConfigError
-from agentspec.types import Draft, DraftContext, VerifyResult
+from agentspec.types import Draft, DraftContext
 
 SCOPES = ("session", "tenant")
 
 
-class CopyCeilingDrafter:
-    """Drafts the longest copyable continuation of the known answer (module docstring).
+class CopyCeilingDrafter(OracleDrafter):
+    """Drafts the longest copyable continuation of the known answer (module docstring):
+    the oracle's draft (``add`` registers each prompt's answer), cut where the text the
+    scope's cache could hold stops containing it.
 
     Args:
         scope: ``"session"`` or ``"tenant"``: the text the copies may come from.
@@ -45,16 +46,12 @@ class CopyCeilingDrafter:
     def __init__(self, scope: str = "tenant") -> None:
         if scope not in SCOPES:
             raise ConfigError(f"scope must be one of {SCOPES}, got {scope!r}")
+        super().__init__()
         self.scope = scope
         self.name = f"ceiling_{scope}"
-        self.references: dict[tuple[int, ...], list[int]] = {}
         # Per scope key: the index and its chains (indexed tokens per sequence id).
         self._indexes: dict[tuple[str, ...], SuffixIndex] = {}
         self._chains: dict[tuple[str, ...], list[list[int]]] = {}
-
-    def add(self, prompt: Sequence[int], reference: Sequence[int]) -> None:
-        """Register the logged answer ``reference`` of ``prompt``."""
-        self.references[tuple(prompt)] = list(reference)
 
     def _key(self, ctx: DraftContext) -> tuple[str, ...]:
         s = ctx.session
@@ -85,19 +82,11 @@ class CopyCeilingDrafter:
 
     def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         """The longest copyable prefix of the answer's next ``max_tokens`` tokens."""
-        ref = self.references.get(tuple(ctx.tokens[: ctx.prompt_len]))
-        index = self._index(ctx)
-        gen = ctx.generated
-        if ref is None or list(gen) != ref[: len(gen)]:
-            return Draft(source=self.name)
-        want = ref[len(gen) : len(gen) + max_tokens]
+        index = self._index(ctx)  # the context is indexed whether or not it drafts
+        want = super().propose(ctx, max_tokens).tokens
         toks = want[: index.longest_prefix(want)]
         return Draft(tokens=toks, score=float(len(toks)), source=self.name)
 
-    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
-        """Nothing to do: the next ``propose`` indexes the committed tokens."""
-
     def finish(self, ctx: DraftContext) -> None:
-        """Index the finished turn and forget its answer."""
+        """Index the finished turn (the next ``propose`` indexes committed tokens)."""
         self._index(ctx)
-        self.references.pop(tuple(ctx.tokens[: ctx.prompt_len]), None)

@@ -127,7 +127,7 @@ class MethodRun:
                     max_draft: int) -> None:
         """Decode one turn along the real answer, timing ``propose`` + ``observe``."""
         d = self.drafter
-        if isinstance(d, OracleDrafter | CopyCeilingDrafter):
+        if isinstance(d, OracleDrafter):  # the oracle and the copy ceilings
             d.add(prompt, output)
         tokens, plen, pos, step = list(prompt), len(prompt), 0, 0
         clock = time.perf_counter_ns
