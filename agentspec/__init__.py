@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
     from agentspec.chat.api import ChatResult, ChatRuntime, ToolChoice
+    from agentspec.chat.stream import ResultStream
     from agentspec.chat.templates import render_prompt
+    from agentspec.chat.turn import ChatTurn
     from agentspec.drafters.lookup import PromptLookupDrafter
     from agentspec.drafters.suffix.config import SuffixConfig
     from agentspec.drafters.suffix.drafter import SuffixDrafter
@@ -88,6 +90,8 @@ _EXPORTS: dict[str, str] = {
     "ChatResult": "agentspec.chat.api",
     "ChatRuntime": "agentspec.chat.api",
     "ToolChoice": "agentspec.chat.api",
+    "ChatTurn": "agentspec.chat.turn",
+    "ResultStream": "agentspec.chat.stream",
     "HFTarget": "agentspec.targets.hf",
     "TargetConfig": "agentspec.targets.hf",
     "PrefixCache": "agentspec.targets.prefix_cache",
@@ -114,6 +118,7 @@ __all__ = [
     "BenchmarkError",
     "ChatResult",
     "ChatRuntime",
+    "ChatTurn",
     "ConfigError",
     "Draft",
     "DraftContext",
@@ -130,6 +135,7 @@ __all__ = [
     "PromptTooLongError",
     "RequestStateError",
     "RequestStats",
+    "ResultStream",
     "Runtime",
     "SamplingParams",
     "SessionRef",

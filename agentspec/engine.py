@@ -11,12 +11,12 @@ loop is also the greedy baseline.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -26,7 +26,6 @@ from agentspec.errors import (
     ConfigError,
     DraftError,
     PromptTooLongError,
-    RequestStateError,
 )
 from agentspec.interfaces import (
     BatchTarget,
@@ -38,12 +37,12 @@ from agentspec.interfaces import (
     PositionLimited,
     PrefixReuseTarget,
     RequestAware,
-    RequestEnding,
     Target,
     TreeTarget,
     Verifier,
 )
 from agentspec.penalties import PenaltyState, chain_prefixes, tree_prefixes
+from agentspec.requests import REQUESTS
 from agentspec.sampling import default_generator
 from agentspec.tokens import cut_at_stop
 from agentspec.types import (
@@ -54,6 +53,7 @@ from agentspec.types import (
     SessionRef,
     StepStats,
     VerifyResult,
+    state_key,
 )
 from agentspec.verifiers.greedy import GreedyVerifier
 from agentspec.verifiers.tree import (
@@ -64,6 +64,7 @@ from agentspec.verifiers.tree import (
 )
 
 Decode = Callable[[Sequence[int]], str]
+FeatureLink = tuple[Callable[[DraftContext, int, torch.Tensor], None], Callable[[], torch.Tensor]]
 
 
 _REQUEST_IDS = itertools.count()  # process-wide: ids of concurrent requests differ
@@ -73,10 +74,10 @@ class EngineConfig:
     """Settings of the decode loop.
 
     Attributes:
-        max_draft: Longest draft verified in one forward. On CPU a forward over 4-32 tokens
-            costs 1.3-2.2x a single-token forward, so long drafts pay off when they hit.
+        max_draft: Longest draft verified in one forward. A forward over many tokens costs
+            far less than as many one-token forwards, so long drafts pay off when they hit.
         min_draft: Drafts shorter than this are dropped (decoded one token at a time):
-            on CPU, k = 2-3 runs as slow matrix-vector products on MKL.
+            with some CPU BLAS builds a 2-3-token forward costs as much as a longer one.
         max_branches: Most branches of a tree draft verified per step (one batch row
             each, see :mod:`agentspec.verifiers.tree`); the longest are kept.
     """
@@ -128,6 +129,32 @@ class Generation:
     text: str = ""
     finish_reason: str = "length"
     stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass(frozen=True)
+class _Wiring:
+    """What an engine's parts can do, asked once per engine instead of per request or step.
+
+    Attributes:
+        starters: Parts told about each new request before its prefill (``begin_request``).
+        learner: The drafter told about committed tokens and completed requests.
+        features: ``(drafter.observe_features, target.last_features)`` when the drafter
+            drafts from the target's hidden states and the target gives them.
+        reuse: The target, when it reuses prefix KV (it reports the reused tokens).
+        feature_reuse: The target, when its reuse can also give reused positions' rows.
+        tree: The target, when it scores a tree draft in one row (tree attention).
+        batch: The target, when it scores one batch row per branch.
+        max_positions: The target's context window (``None``: unbounded).
+    """
+
+    starters: tuple[RequestAware, ...]
+    learner: Drafter | None
+    features: FeatureLink | None
+    reuse: PrefixReuseTarget | None
+    feature_reuse: FeatureReuseTarget | None
+    tree: TreeTarget | None
+    batch: BatchTarget | None
+    max_positions: int | None
 
 
 class _StopChecker:
@@ -243,15 +270,16 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         sampling: SamplingParams | None = None,
         session: SessionRef | None = None,
-        result: list[Generation] | None = None,
         constraint: Constraint | None = None,
         cancel: threading.Event | None = None,
-    ) -> Iterator[str]:
-        """Yield text deltas as tokens are committed; append the final
-        :class:`Generation` to ``result`` when given.
+    ) -> Generator[str, None, Generation]:
+        """Yield text deltas as tokens are committed, then return the :class:`Generation`.
 
         Text that could still turn into a stop string, or that ends inside a multi-byte
-        character, is held back until it is certain. ``cancel``: see :meth:`steps`.
+        character, is held back until it is certain. The result is the generator's return
+        value: ``gen = yield from engine.stream(...)`` in a generator, or
+        :class:`~agentspec.chat.stream.ResultStream` around it (``.result`` once iterated).
+        ``cancel``: see :meth:`steps`.
         """
         if self.decode is None:
             raise ConfigError("streaming needs a decode function (a tokenizer)")
@@ -265,9 +293,7 @@ class SpeculativeDecoder:
                 final: Generation = done.value
                 if len(final.text) > emitted:
                     yield final.text[emitted:]
-                if result is not None:
-                    result.append(final)
-                return
+                return final
             text = checker.final_text(tokens)
             safe = len(text)
             if text.endswith("\ufffd"):
@@ -331,11 +357,11 @@ class SpeculativeDecoder:
         # Stateful drafters key per-request state by this id (concurrent requests of one
         # session must not share it).
         rid = f"engine-{next(_REQUEST_IDS)}"
-        for part in self._request_parts():
-            if isinstance(part, RequestAware):
-                part.begin_request(session, rng, request_id=rid)
+        wiring = self._wiring
         try:
-            learner = self._learner()
+            for part in wiring.starters:
+                part.begin_request(session, rng, request_id=rid)
+            learner = wiring.learner
             stats = RequestStats(prompt_tokens=len(prompt))
             checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
             t_start = time.perf_counter()
@@ -345,9 +371,9 @@ class SpeculativeDecoder:
             # reuse (never across tenants); a drafter reading the target's hidden states needs
             # a row for every prompt position, so it reuses only where the target keeps the
             # reused positions' rows (else reuse is off).
-            link = self._feature_link()
-            keeps = (link is not None and isinstance(self.target, FeatureReuseTarget)
-                     and self.target.reuse_keeps_features)
+            link = wiring.features
+            keeps = (link is not None and wiring.feature_reuse is not None
+                     and wiring.feature_reuse.reuse_keeps_features)
             scope = session.tenant if session is not None and (link is None or keeps) else None
             _check_cancel(cancel)
             # Only a caller that cancels needs a target taking `cancel` (HFTarget does), and
@@ -356,8 +382,8 @@ class SpeculativeDecoder:
             if keeps and scope is not None:
                 kwargs["features"] = True
             self.target.prefill(list(prompt[:-1]), scope=scope, **kwargs)
-            if isinstance(self.target, PrefixReuseTarget):
-                stats.cached_prompt_tokens = self.target.reused_tokens
+            if wiring.reuse is not None:
+                stats.cached_prompt_tokens = wiring.reuse.reused_tokens
             if link is not None:
                 link[0](DraftContext(prompt, len(prompt), session, 0, rid, sampling), 0,
                         link[1]())
@@ -403,18 +429,9 @@ class SpeculativeDecoder:
             stats.total_s = time.perf_counter() - t_start
             return Generation(generated, checker.final_text(generated), finish, stats)
         finally:
-            if self.gate is not None:
-                self.gate.end_request(rid)
-            # Request state kept between steps (the ASD account) is released however the
-            # request stops: finished, failed, or abandoned by its consumer.
-            for part in self._request_parts():
-                if isinstance(part, RequestEnding):
-                    # The engine began this request itself, so a missing account was aged
-                    # out (more live requests than the part keeps): nothing is left to
-                    # release, and raising here would hide the request's own outcome (its
-                    # result, or the error that is propagating).
-                    with contextlib.suppress(RequestStateError):
-                        part.end_request(rid)
+            # Every part's state of this request (agentspec.requests) is released however
+            # the request stops: finished, failed, cancelled, or abandoned by its consumer.
+            REQUESTS.end(state_key(rid))
 
     # -- the per-request and per-step hooks (MultiDraftDecoder overrides them) -------------
 
@@ -425,6 +442,26 @@ class SpeculativeDecoder:
     def _request_parts(self) -> tuple[object, ...]:
         """The parts told about each new request (``begin_request``, where they have it)."""
         return (self.verifier, self.drafter)
+
+    @cached_property
+    def _wiring(self) -> _Wiring:
+        """The parts' capabilities, asked once (on the engine's first request)."""
+        target = self.target
+        learner = self._learner()
+        features = None
+        if (isinstance(learner, FeatureDrafter) and learner.wants_features
+                and isinstance(target, FeatureTarget)):
+            features = (learner.observe_features, target.last_features)
+        return _Wiring(
+            starters=tuple(p for p in self._request_parts() if isinstance(p, RequestAware)),
+            learner=learner,
+            features=features,
+            reuse=target if isinstance(target, PrefixReuseTarget) else None,
+            feature_reuse=target if isinstance(target, FeatureReuseTarget) else None,
+            tree=target if isinstance(target, TreeTarget) else None,
+            batch=target if isinstance(target, BatchTarget) else None,
+            max_positions=target.max_positions if isinstance(target, PositionLimited) else None,
+        )
 
     def _learner(self) -> Drafter | None:
         """The drafter told about committed tokens (``observe``) and request ends."""
@@ -484,24 +521,12 @@ class SpeculativeDecoder:
             raise ConfigError("prompt must hold at least one token")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
-        limit = self.target.max_positions if isinstance(self.target, PositionLimited) else None
+        limit = self._wiring.max_positions
         if limit is not None and len(prompt) + max_tokens > limit:
             raise PromptTooLongError(
                 f"prompt of {len(prompt)} tokens + max_tokens={max_tokens} exceeds the "
                 f"context window of {limit} positions"
             )
-
-    def _feature_link(
-        self,
-    ) -> tuple[Callable[[DraftContext, int, torch.Tensor], None],
-               Callable[[], torch.Tensor]] | None:
-        """``(drafter.observe_features, target.last_features)`` when the drafter wants the
-        target's hidden states and the target can give them (checked once per request)."""
-        drafter, target = self.drafter, self.target
-        if (isinstance(drafter, FeatureDrafter) and drafter.wants_features
-                and isinstance(target, FeatureTarget)):
-            return drafter.observe_features, target.last_features
-        return None
 
     def _propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
         if self.drafter is None or max_tokens < self.config.min_draft:
@@ -526,17 +551,18 @@ class SpeculativeDecoder:
         leaving pending + accepted tokens cached: with tree attention in one row when the
         target has it, else one batch row per branch (``max_branches`` longest). Each row
         is penalised by the draft tokens on its own path."""
-        target = self.target
-        if isinstance(target, TreeTarget):
+        wiring = self._wiring
+        if wiring.tree is not None:
             tokens, parents = tree_rows(draft, pending)
-            logits = target.score_tree(tokens, parents)  # [k+1, V]
+            logits = wiring.tree.score_tree(tokens, parents)  # [k+1, V]
             if penalties is not None:  # row n + 1: counts + node n's ancestors
                 ancestors = tree_prefixes(draft.tokens, [p - 1 for p in parents[1:]])
                 penalties.apply(logits, ancestors)
             path, token = greedy_tree_accept(tokens, parents, logits)
-            target.keep_tree_path([i + 1 for i in path])
+            wiring.tree.keep_tree_path([i + 1 for i in path])
             return VerifyResult([*(draft.tokens[i] for i in path), token], len(path), path)
-        assert isinstance(target, BatchTarget)  # _tree_ok
+        target = wiring.batch
+        assert target is not None  # _tree_ok
         rows, paths = branch_rows(draft, pending, self.config.max_branches)
         logits = target.score_batch(rows)  # [K, k+1, V]
         if penalties is not None:  # each batch row is a chain of its own
@@ -553,5 +579,6 @@ class SpeculativeDecoder:
         """Whether a tree draft can be verified as a tree: strict greedy decoding (trees
         under sampling would need a tree-aware acceptance rule) on a target that scores
         trees or batches. Otherwise the tree's first branch is verified as a chain."""
+        wiring = self._wiring
         return (sampling.greedy and self.verifier.lossless
-                and isinstance(self.target, (TreeTarget, BatchTarget)))
+                and (wiring.tree is not None or wiring.batch is not None))

@@ -91,7 +91,7 @@ def build_drafter(
     if d.method in ("model", "hybrid"):
         if target is None:
             raise ConfigError(f"drafting method {d.method!r} needs a loaded target")
-        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
+        from agentspec.drafters.hybrid_build import build_hybrid, load_model_drafter
 
         try:
             model = load_model_drafter(target, d.draft_model, max_tokens=d.model_max)

@@ -314,17 +314,6 @@ class RequestAware(Protocol):
 
 
 @runtime_checkable
-class RequestEnding(Protocol):
-    """A verifier whose request state lives between steps (optional; drafters release
-    theirs in :meth:`Drafter.finish`). The engine calls :meth:`end_request` once the
-    request stops, whether it finished, failed or was abandoned."""
-
-    def end_request(self, request_id: str | None) -> None:
-        """Release the state of the request begun with ``request_id``."""
-        ...
-
-
-@runtime_checkable
 class TurnStore(Protocol):
     """Persistent storage of finished turns (implemented by
     :class:`agentspec.storage.sessions.SessionStore`). The runtime appends every finished

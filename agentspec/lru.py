@@ -30,13 +30,16 @@ class LRU(Generic[K, V]):
         weight: A value's weight (e.g. its tokens); counted when it is put.
         min_items: Entries kept whatever their weight (e.g. 1: the newest entry stays even
             when it alone is over ``max_weight``).
+        on_evict: Called with each entry the bounds forget (not with popped ones), for
+            values that hold something outside the map to release.
 
     Raises:
         ConfigError: a bound below 1, or ``max_weight`` without ``weight``.
     """
 
     def __init__(self, max_items: int | None = None, max_weight: int | None = None,
-                 weight: Callable[[V], int] | None = None, min_items: int = 0) -> None:
+                 weight: Callable[[V], int] | None = None, min_items: int = 0,
+                 on_evict: Callable[[K, V], None] | None = None) -> None:
         if max_items is not None and max_items < 1:
             raise ConfigError(f"max_items must be >= 1, got {max_items!r}")
         if max_weight is not None and (max_weight < 1 or weight is None):
@@ -46,6 +49,7 @@ class LRU(Generic[K, V]):
         self.max_weight = max_weight
         self.min_items = min_items
         self._weight = weight
+        self._on_evict = on_evict
         self._data: OrderedDict[K, V] = OrderedDict()
         self._weights: dict[K, int] = {}
         self.total_weight = 0
@@ -121,5 +125,8 @@ class LRU(Generic[K, V]):
                 (self.max_items is not None and len(self._data) > self.max_items)
                 or (self.max_weight is not None and self.total_weight > self.max_weight)):
             key = next(iter(self._data))
+            value = self._data[key]
             self._drop(key)
             self.evicted += 1
+            if self._on_evict is not None:
+                self._on_evict(key, value)

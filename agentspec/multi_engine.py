@@ -17,7 +17,7 @@ are declared in :mod:`agentspec.interfaces` (re-exported here).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,8 +28,6 @@ from agentspec.errors import ConfigError
 from agentspec.interfaces import (
     BatchTarget,
     Constraint,
-    FeatureDrafter,
-    FeatureTarget,
     MultiDrafter,
 )
 from agentspec.penalties import PenaltyState, chain_prefixes
@@ -86,17 +84,6 @@ class MultiDraftDecoder(SpeculativeDecoder):
 
     def _learner(self) -> Any:
         return self.multi_drafter
-
-    def _feature_link(
-        self,
-    ) -> tuple[Callable[[DraftContext, int, torch.Tensor], None],
-               Callable[[], torch.Tensor]] | None:
-        # The drafter here is the multi-drafter (the base class's `drafter` is None).
-        drafter, target = self.multi_drafter, self.target
-        if (isinstance(drafter, FeatureDrafter) and drafter.wants_features
-                and isinstance(target, FeatureTarget)):
-            return drafter.observe_features, target.last_features
-        return None
 
     def _step(
         self, ctx: DraftContext, max_draft: int, sampling: SamplingParams,

@@ -1,28 +1,33 @@
 """The runtime: one loaded model serving chat requests for many agents and sessions.
 
 Both faces (the LangChain chat model and the OpenAI-compatible server) go through
-:class:`Runtime`: it renders messages and tools with the chat template, picks the drafter
-and verifier from the agent's :class:`~agentspec.spec.AgentSpec`, runs the engine under a
-lock (the target holds one KV cache, so requests are served one at a time, in arrival
-order), parses tool calls and persists each finished turn of a session in the session
-store, whichever drafter decoded it (drafters only read the store).
+:class:`Runtime`. The steps every chat turn shares (rendering with the chat template,
+stop strings, the answer's opening, parsing tool calls) are
+:class:`~agentspec.chat.base.BaseChatRuntime`'s; this runtime adds its decode: it picks the
+drafter and verifier from the agent's :class:`~agentspec.spec.AgentSpec`, runs the engine
+under its target's lock (the target holds one KV cache, so requests are served one at a
+time, in arrival order, whichever runtime over that target they come through) and
+persists each finished turn of a session in the session store, whichever drafter decoded
+it (drafters only read the store).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.api import ToolChoice
+from agentspec.chat.base import BaseChatRuntime, Decoded, TurnPlan
 from agentspec.chat.checks import check_stops
 from agentspec.chat.formats import ToolFormat, choose_tool_format
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar
+from agentspec.chat.turn import ChatTurn
 from agentspec.drafters.gate import DraftGate
-from agentspec.engine import Generation, SpeculativeDecoder
+from agentspec.engine import SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine, build_gate
 from agentspec.interfaces import Drafter, TurnStore
 from agentspec.spec import AgentSpec, DraftingPolicy
@@ -31,15 +36,18 @@ from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from agentspec.tokens import eos_ids
-from agentspec.types import SamplingParams, SessionRef
 
 if TYPE_CHECKING:
     from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
 
-class Runtime:
+class Runtime(BaseChatRuntime[GrammarConstraint]):
     """A loaded model plus the drafters, verifiers and store that serve it.
+
+    ``chat`` / ``stream_chat`` / ``stream_turn`` are
+    :class:`~agentspec.chat.base.BaseChatRuntime`'s; a turn's decode is
+    :meth:`begin_decode`.
 
     Args:
         target: The loaded model.
@@ -67,13 +75,18 @@ class Runtime:
         # (a turn that could not be stored or read is answered anyway, never silently).
         self.turns = CountingStore(store) if store is not None else None
         self.default_spec = default_spec or AgentSpec()
-        self.lock = threading.RLock()
         self._drafters: dict[tuple[DraftingPolicy, bool], Drafter | None] = {}
         # One draft gate per drafting policy, as drafters: its per-tenant calibration spans
         # requests (a gate built per request would start every request knowing nothing).
         self._gates: dict[tuple[DraftingPolicy, bool], DraftGate | None] = {}
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The target's lock (one KV cache): held while a request decodes on it, so every
+        runtime over one target serves its requests one at a time."""
+        return self.target.lock
 
     @property
     def store_errors(self) -> int:
@@ -147,18 +160,6 @@ class Runtime:
         return build_engine(spec, self.target, self.drafter_for(spec), decode=self.decode,
                             eos_token_ids=self.eos_ids, gate=self.gate_for(spec))
 
-    def prompt_ids(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: ToolChoice = None,
-        assistant_prefix: str = "",
-    ) -> tuple[list[int], str]:
-        """Rendered prompt token ids and the text that opens the assistant turn
-        (``assistant_prefix``, then any forced tool call; see :func:`chat_prompt_ids`)."""
-        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix,
-                               self.tool_format)
-
     @property
     def grammars(self) -> GrammarCompiler:
         """The model's grammar compiler (its token trie is built on the first grammar)."""
@@ -190,81 +191,45 @@ class Runtime:
             grammar = fmt.grammar(tools, tool_choice)
         return self.grammars.constraint(grammar) if grammar is not None else None
 
-    def stream_chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        *,
-        tool_choice: ToolChoice = None,
-        session: SessionRef | None = None,
-        spec: AgentSpec | None = None,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: SamplingParams | None = None,
-        result: list[ChatResult] | None = None,
-        assistant_prefix: str = "",
-        response_format: Any = None,
-        cancel: threading.Event | None = None,
-    ) -> Generator[str, None, None]:
-        """Yield text deltas; append the final :class:`ChatResult` to ``result``.
+    # ------------------------------------------------------------------ the turn's hooks
+    def check_turn(self, turn: ChatTurn, spec: AgentSpec) -> None:
+        """Bound the stop strings before any work: a long stop costs every decode step."""
+        check_stops(turn.stop)
 
-        ``assistant_prefix`` is text that opens the answer (part of the prompt; the deltas
-        and the result's text start with it), before any call ``tool_choice`` forces. The
-        model lock is held while the generator runs (requests are served one at a time);
-        closing the generator early releases it. ``response_format`` (OpenAI's
-        ``json_object`` / ``json_schema``) and tool calls are grammar-constrained, see
-        :meth:`constraint_for`. ``cancel``, once set, stops the request between prefill
-        chunks or decode steps with :class:`~agentspec.errors.Cancelled` (nothing stored),
-        so a caller on another thread need not wait for the next delta.
+    def grammar_for(self, turn: ChatTurn, spec: AgentSpec) -> GrammarConstraint | None:
+        """The turn's grammar constraint (see :meth:`constraint_for`)."""
+        return self.constraint_for(turn.tools, turn.tool_choice, turn.response_format, spec)
+
+    def begin_decode(self, plan: TurnPlan[GrammarConstraint]) -> Generator[str, None, Decoded]:
+        """The speculative engine of the turn's spec (its drafter and draft gate shared
+        across requests), built now; the returned generator decodes, then persists the
+        turn and retires the target's KV, still under the lock.
+
+        ``cancel`` stops the request between prefill chunks or decode steps with
+        :class:`~agentspec.errors.Cancelled` (nothing stored).
         """
-        spec = spec or self.default_spec
-        check_stops(stop)  # before any work: a long stop costs every decode step
-        sampling = sampling or spec.verifier.sampling()
-        constraint = self.constraint_for(tools, tool_choice, response_format, spec)
-        # Under a tool grammar the grammar writes the call's opening; no forced prefix.
-        choice = "auto" if constraint is not None and tool_choice != "none" else tool_choice
-        prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
-        if tools and tool_choice != "none":
-            # The format's own stops (the fallback's closing tag: the agent runs the tool).
-            stop = [*stop, *self.tool_format.stop]
-        with self.lock:
-            engine = self.engine_for(spec)
-            if prefix:
-                yield prefix
-            done: list[Generation] = []
-            yield from engine.stream(prompt, max_tokens, stop, sampling, session, result=done,
-                                     constraint=constraint, cancel=cancel)
-            gen = done[0]
-            # The runtime owns persistence: every finished turn of a session is stored,
-            # whichever drafter decoded it (none, prompt lookup, the session cache, ...).
-            # Under the lock, after the drafter's finish: a session cache meeting the
-            # session for the first time has loaded its stored turns without this one.
-            # A one-off request's turn is not: no later request can name its session.
-            stored: bool | None = None
-            if session is not None and not session.ephemeral and self.turns is not None:
-                stored = persist_turn(self.turns, session, [*prompt, *gen.tokens])
-            # This request's prompt KV goes to the prefix store now, outside every request's
-            # timed path (the next request may be another tenant's).
-            self.target.retire()
-        if result is not None:
-            out = ChatResult.build(
-                prefix + gen.text, tools if tool_choice != "none" else None, gen.finish_reason,
-                len(prompt), gen.tokens, gen.stats, self.tool_format,
-            )
-            out.stored = stored
-            result.append(out)
+        return self._decode(self.engine_for(plan.spec), plan)
 
-    def chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        """Complete a chat (see :meth:`stream_chat` for the arguments)."""
-        out: list[ChatResult] = []
-        for _ in self.stream_chat(messages, tools, result=out, **kwargs):
-            pass
-        return out[0]
+    def _decode(
+        self, engine: SpeculativeDecoder, plan: TurnPlan[GrammarConstraint]
+    ) -> Generator[str, None, Decoded]:
+        turn = plan.turn
+        gen = yield from engine.stream(plan.prompt, turn.max_tokens, plan.stop, plan.sampling,
+                                       turn.session, constraint=plan.grammar,
+                                       cancel=turn.cancel)
+        # The runtime owns persistence: every finished turn of a session is stored,
+        # whichever drafter decoded it (none, prompt lookup, the session cache, ...).
+        # Under the lock, after the drafter's finish: a session cache meeting the
+        # session for the first time has loaded its stored turns without this one.
+        # A one-off request's turn is not: no later request can name its session.
+        session = turn.session
+        stored: bool | None = None
+        if session is not None and not session.ephemeral and self.turns is not None:
+            stored = persist_turn(self.turns, session, [*plan.prompt, *gen.tokens])
+        # This request's prompt KV goes to the prefix store now, outside every request's
+        # timed path (the next request may be another tenant's).
+        self.target.retire()
+        return Decoded(gen.text, gen.tokens, gen.finish_reason, gen.stats, stored)
 
 
 if TYPE_CHECKING:

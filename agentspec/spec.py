@@ -182,8 +182,8 @@ class AgentSpec(BaseModel):
     def tree_drafts(self) -> bool:
         """Whether the session cache drafts token trees: ``drafting.tree`` when set, else
         on for ``suffix`` and ``hybrid`` under single-draft lossless greedy verification
-        (replayed on real agent logs a merged tree accepts 7-8 % more per step than the
-        best index's chain; on the relay 8 % more)."""
+        (one forward verifies every index's best continuations together, so a merged tree
+        accepts more per step than the best index's chain; ``BENCHMARKS.md``)."""
         d = self.drafting
         if d.tree is not None:
             return d.tree
@@ -194,9 +194,9 @@ class AgentSpec(BaseModel):
         """Whether the session cache's drafts are gated by their expected payoff at the
         request's context length (by the engine for ``suffix``, inside the HVD drafter for
         ``hybrid``): ``drafting.draft_gate`` when set, else on for both under lossless
-        single-draft verification (driven by real SWE-agent logs, a third of decoding time
-        went to drafts refuted at their first token; an approximate verifier accepts more
-        than the gate's labels count)."""
+        single-draft verification (on real agent sessions much of decoding time goes to
+        drafts refuted at their first token; an approximate verifier accepts more than the
+        gate's labels count)."""
         d = self.drafting
         if d.draft_gate is not None:
             return d.draft_gate

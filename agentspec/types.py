@@ -152,12 +152,19 @@ class DraftContext:
         return self.tokens[self.prompt_len :]
 
     @property
-    def state_key(self) -> tuple[str, str | SessionRef | None]:
+    def state_key(self) -> tuple[str, object]:
         """The key every drafter keeps this request's state under: its id when the caller
         set one, else its session (one request at a time per session)."""
-        if self.request_id is not None:
-            return ("id", self.request_id)
-        return ("session", self.session)
+        return state_key(self.request_id, self.session)
+
+
+def state_key(request_id: str | None, session: object = None) -> tuple[str, object]:
+    """The key a request's state is kept under (:mod:`agentspec.requests`): its id when the
+    caller has one (the engine and vLLM always do), else its session (one request at a
+    time per session)."""
+    if request_id is not None:
+        return ("id", request_id)
+    return ("session", session)
 
 
 def first_branch_nodes(parents: Sequence[int]) -> list[int]:

@@ -5,6 +5,7 @@ Run: .venv/bin/python examples/quickstart.py
 
 from __future__ import annotations
 
+from agentspec.chat.stream import ResultStream
 from agentspec.chat.templates import render_prompt
 from agentspec.drafters import PromptLookupDrafter
 from agentspec.engine import SpeculativeDecoder
@@ -26,10 +27,10 @@ def main() -> None:
         f"Here is config.json:\n```json\n{doc}\n```\nSet replicas to 5 and reply with the "
         "whole updated file in a ```json block."
     )}])
-    result: list = []
-    for delta in engine.stream(prompt, max_tokens=120, result=result):
+    stream = ResultStream(engine.stream(prompt, max_tokens=120))
+    for delta in stream:  # the text as it commits; then the Generation is stream.result
         print(delta, end="", flush=True)
-    stats = result[0].stats
+    stats = stream.result.stats
     print(f"\n\n{stats.generated_tokens} tokens, {stats.tokens_per_s:.1f} tok/s, "
           f"{stats.forwards_per_1k:.0f} target forwards per 1,000 tokens, "
           f"accepted-length histogram {stats.accepted_histogram()}")

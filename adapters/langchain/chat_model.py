@@ -47,6 +47,8 @@ from adapters.langchain.structured import (
 )
 from agentspec.chat.api import ChatRuntime
 from agentspec.chat.formats import check_format_name
+from agentspec.chat.stream import ResultStream
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import ConfigError
 from agentspec.models import EMBEDDED_MODEL
 from agentspec.spec import AgentSpec
@@ -57,13 +59,11 @@ __all__ = ["ChatAgentSpec"]
 
 def _complete(req: ChatRequest) -> ChatResult:
     """Run a request to the end and wrap its message as a LangChain ``ChatResult``."""
-    out: list[Any] = []
-    for _ in stream_deltas(req, out):
-        pass
-    message = result_message(req, out[0])
+    result = ResultStream(stream_deltas(req)).drain()
+    message = result_message(req, result)
     return ChatResult(
         generations=[ChatGeneration(
-            message=message, generation_info={"finish_reason": out[0].finish_reason})],
+            message=message, generation_info={"finish_reason": result.finish_reason})],
         llm_output={"model_name": req.model_name, "token_usage": message.usage_metadata},
     )
 
@@ -366,14 +366,15 @@ class ChatAgentSpec(BaseChatModel):
                    if session_id is not None else None)
         model = kwargs.get("model") or self.model_name
         runtime = self.runtime or shared_runtime(model, self.dtype, self.store, self.tool_format)
+        turn = ChatTurn(
+            messages=converted, tools=tools, tool_choice=choice, session=session, spec=spec,
+            max_tokens=max_tokens, stop=list(stop if stop is not None else self.stop or []),
+            response_format=kwargs.get("response_format"),
+        )
         return ChatRequest(
-            runtime=runtime, messages=converted, tools=tools,
-            tool_choice=choice, session=session, spec=spec, max_tokens=max_tokens,
-            stop=list(stop if stop is not None else self.stop or []),
-            model_name=str(model), max_retries=self.max_retries,
+            runtime=runtime, turn=turn, model_name=str(model), max_retries=self.max_retries,
             deadline=time.monotonic() + float(timeout) if timeout else None,
             return_token_ids=self.return_token_ids,
-            response_format=kwargs.get("response_format"),
         )
 
     def _generate(

@@ -1,11 +1,13 @@
 """One chat call on the runtime, as LangChain results: deltas, chunks, messages, metadata.
 
-:class:`ChatRequest` is everything a call resolved (runtime, rendered messages, tools,
-session, limits). The functions here run it — synchronously, or in a worker thread feeding
-an ``asyncio`` queue — and turn the runtime's :class:`~agentspec.chat.api.ChatResult` into an
-``AIMessage`` (or a stream of ``AIMessageChunk`` s) with ``usage_metadata`` and
-``response_metadata``: model name, finish reason and the speculative decoding numbers
-(accepted-length histogram, target forwards per 1,000 tokens, drafter wins).
+:class:`ChatRequest` is everything a call resolved: the runtime, the
+:class:`~agentspec.chat.turn.ChatTurn` it runs (messages, tools, session, limits) and what
+only LangChain needs (a deadline, retries, the reported model name). The functions here
+run it — synchronously, or in a worker thread feeding an ``asyncio`` queue — and turn the
+runtime's :class:`~agentspec.chat.api.ChatResult` into an ``AIMessage`` (or a stream of
+``AIMessageChunk`` s) with ``usage_metadata`` and ``response_metadata``: model name, finish
+reason and the speculative decoding numbers (accepted-length histogram, target forwards
+per 1,000 tokens, drafter wins).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import hashlib
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +28,11 @@ from langchain_core.runnables import RunnableConfig, ensure_config
 
 from adapters.langchain.messages import VisibleText, to_langchain_tool_calls
 from agentspec.chat.api import ChatResult, ChatRuntime
+from agentspec.chat.stream import ResultStream
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import AgentSpecError, StoreBusyError
 from agentspec.spec import AgentSpec
-from agentspec.types import SessionRef, check_id
+from agentspec.types import check_id
 
 
 class GenerationTimeoutError(AgentSpecError, TimeoutError):
@@ -42,33 +46,28 @@ class ChatRequest:
     Attributes:
         runtime: The :class:`~agentspec.chat.api.ChatRuntime` that decodes (agentspec's
             Runtime, the vLLM backend).
-        messages: Rendered-ready dict messages.
-        tools: OpenAI tool schemas, or ``None`` when no tools are offered.
-        tool_choice: ``None`` (model decides), ``"any"`` or a tool name.
-        session: Cache scope of the call (``None``: one-off request).
-        spec: The agent's drafting and verification policy.
-        max_tokens: Most tokens to generate.
-        stop: Stop strings.
+        turn: The chat turn it runs: rendered-ready dict messages, OpenAI tool schemas
+            (``None`` when no tools are offered), ``tool_choice`` (``None``: the model
+            decides, ``"any"`` or a tool name), the session (``None``: one-off request),
+            the agent's spec (always set here), limits, stop strings and an OpenAI
+            ``response_format`` (grammar-constrained JSON).
         model_name: Reported as ``response_metadata["model_name"]``.
         max_retries: Retries after a busy session store, before any output.
         deadline: ``time.monotonic()`` value past which the call fails.
         return_token_ids: Report generated token ids in ``response_metadata``.
-        response_format: OpenAI ``response_format`` (grammar-constrained JSON).
     """
 
     runtime: ChatRuntime
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    tool_choice: str | None
-    session: SessionRef | None
-    spec: AgentSpec
-    max_tokens: int
-    stop: list[str]
+    turn: ChatTurn
     model_name: str
     max_retries: int = 2
     deadline: float | None = None
     return_token_ids: bool = False
-    response_format: dict[str, Any] | None = None
+
+    @property
+    def spec(self) -> AgentSpec:
+        """The agent spec the turn runs under."""
+        return self.turn.spec or self.runtime.default_spec
 
 
 def thread_session(value: Any) -> str:
@@ -110,8 +109,9 @@ def session_from_metadata(run_manager: Any) -> str | None:
     return None
 
 
-def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
-    """Yield the engine's text deltas; append the final :class:`ChatResult` to ``out``.
+def stream_deltas(req: ChatRequest) -> Generator[str, None, ChatResult]:
+    """Yield the engine's text deltas, then return the final :class:`ChatResult`
+    (wrap it in a :class:`~agentspec.chat.stream.ResultStream` to read it after iterating).
 
     Raises:
         GenerationTimeoutError: the call passed ``req.deadline``.
@@ -120,20 +120,16 @@ def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
     attempt = 0
     while True:
         produced = False
-        gen = req.runtime.stream_chat(
-            req.messages, req.tools, tool_choice=req.tool_choice, session=req.session,
-            spec=req.spec, max_tokens=req.max_tokens, stop=req.stop, result=out,
-            response_format=req.response_format,
-        )
+        stream = req.runtime.stream_turn(req.turn)
         try:
-            for delta in gen:
+            for delta in stream:
                 if req.deadline is not None and time.monotonic() > req.deadline:
                     raise GenerationTimeoutError(
                         "generation ran past its timeout; raise `timeout` or lower `max_tokens`"
                     )
                 produced = True
                 yield delta
-            return
+            return stream.result
         except StoreBusyError:
             # A busy SQLite store is transient; a retry is only safe before any output.
             if produced or attempt >= req.max_retries:
@@ -141,7 +137,7 @@ def stream_deltas(req: ChatRequest, out: list[ChatResult]) -> Iterator[str]:
             attempt += 1
             time.sleep(0.05 * 2**attempt)
         finally:
-            gen.close()  # releases the model lock when the caller stops early
+            stream.close()  # releases the model lock when the caller stops early
 
 
 def usage(result: ChatResult) -> UsageMetadata:
@@ -160,7 +156,8 @@ def response_metadata(req: ChatRequest, result: ChatResult) -> dict[str, Any]:
     # String keys: checkpointers (JSON, msgpack) persist messages, and JSON has no int keys.
     stats["accepted_histogram"] = {str(k): v for k, v in stats["accepted_histogram"].items()}
     stats["drafting_method"] = req.spec.drafting.method
-    stats["session_id"] = req.session.session_id if req.session else None
+    session = req.turn.session
+    stats["session_id"] = session.session_id if session else None
     meta: dict[str, Any] = {
         "model_name": req.model_name, "finish_reason": result.finish_reason,
         "speculative": stats,
@@ -170,14 +167,9 @@ def response_metadata(req: ChatRequest, result: ChatResult) -> dict[str, Any]:
     return meta
 
 
-def _tools_active(req: ChatRequest) -> bool:
-    """Tools are bound and calls may be made (``tool_choice="none"`` makes none)."""
-    return bool(req.tools) and req.tool_choice != "none"
-
-
 def result_message(req: ChatRequest, result: ChatResult) -> AIMessage:
     """The ``AIMessage`` of a finished call (tool calls parsed only when tools were bound)."""
-    if not _tools_active(req):
+    if not req.turn.tools_active:
         return AIMessage(content=result.text, usage_metadata=usage(result),
                          response_metadata=response_metadata(req, result))
     calls, invalid = to_langchain_tool_calls(result.tool_calls, result.invalid_tool_calls)
@@ -191,7 +183,7 @@ def final_chunk(req: ChatRequest, result: ChatResult) -> AIMessageChunk:
     """The last chunk of a stream: tool calls, usage and metadata, no new text."""
     calls: list[ToolCall] = []
     invalid: list[InvalidToolCall] = []
-    if _tools_active(req):
+    if req.turn.tools_active:
         calls, invalid = to_langchain_tool_calls(result.tool_calls, result.invalid_tool_calls)
     return AIMessageChunk(
         content="", tool_calls=calls, invalid_tool_calls=invalid, usage_metadata=usage(result),
@@ -205,15 +197,15 @@ def stream_chunks(req: ChatRequest) -> Generator[ChatGenerationChunk, None, None
     With tools bound, tool-call markup is not streamed as text: it arrives parsed, in the
     final chunk, exactly as ``invoke`` returns it.
     """
-    out: list[ChatResult] = []
-    visible = VisibleText(req.runtime.tool_format) if _tools_active(req) else None
-    for delta in stream_deltas(req, out):
+    visible = VisibleText(req.runtime.tool_format) if req.turn.tools_active else None
+    deltas = ResultStream(stream_deltas(req))
+    for delta in deltas:
         text = visible.feed(delta) if visible is not None else delta
         if text:
             yield ChatGenerationChunk(message=AIMessageChunk(content=text))
     if visible is not None and (tail := visible.flush()):
         yield ChatGenerationChunk(message=AIMessageChunk(content=tail))
-    result = out[0]
+    result = deltas.result
     yield ChatGenerationChunk(message=final_chunk(req, result),
                               generation_info={"finish_reason": result.finish_reason})
 

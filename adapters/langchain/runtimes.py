@@ -6,9 +6,10 @@ own a model: they ask this module for a :class:`~agentspec.runtime.Runtime`.
 
 A runtime is kept per (model, dtype, store, tool format): requests with different session
 stores must not share drafter histories, and a runtime renders, constrains and parses tool
-calls in one format. Runtimes over the same model share its target *and its lock*: the
-target holds a single KV cache, so only one request may decode on it at a time, whichever
-runtime it came through.
+calls in one format. Runtimes over the same model share its target, and so its lock
+(``HFTarget.lock``, which every :class:`~agentspec.runtime.Runtime` over the target takes):
+the target holds a single KV cache, so only one request may decode on it at a time,
+whichever runtime it came through.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 StoreArg = bool | str | Path | None
 
 _GUARD = threading.Lock()
-_TARGETS: dict[tuple[str, str], tuple[HFTarget, threading.RLock]] = {}
+_TARGETS: dict[tuple[str, str], HFTarget] = {}
 _RUNTIMES: dict[tuple[str, str, str, str], Runtime] = {}
 _TOKENIZERS: dict[str, Any] = {}
 
@@ -70,11 +71,9 @@ def shared_runtime(
             return runtime
         target_key = (model or "", dtype)
         if target_key not in _TARGETS:
-            target = HFTarget.load(TargetConfig(model=model, dtype=dtype))
-            _TARGETS[target_key] = (target, threading.RLock())
-        target, lock = _TARGETS[target_key]
-        runtime = Runtime(target, open_store(store), tool_format=tool_format)
-        runtime.lock = lock  # one KV cache per target: all its runtimes take the same lock
+            _TARGETS[target_key] = HFTarget.load(TargetConfig(model=model, dtype=dtype))
+        # One KV cache per target: its runtimes all take the target's lock.
+        runtime = Runtime(_TARGETS[target_key], open_store(store), tool_format=tool_format)
         _RUNTIMES[key] = runtime
         return runtime
 
@@ -90,7 +89,7 @@ def shared_tokenizer(model: str | None) -> Any:
 
     key = model or ""
     with _GUARD:
-        for (name, _), (target, _lock) in _TARGETS.items():
+        for (name, _), target in _TARGETS.items():
             if name == key and getattr(target, "tokenizer", None) is not None:
                 return target.tokenizer
         if key not in _TOKENIZERS:

@@ -52,7 +52,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
 
     Args:
         runtime: A :class:`~agentspec.chat.api.ChatRuntime` (agentspec's Runtime, the
-            vLLM backend; tests pass fakes with ``stream_chat``, ``default_spec`` and
+            vLLM backend; tests pass fakes with ``stream_turn``, ``default_spec`` and
             ``target.name``).
         config: Keys, limits and served model names (defaults: local-only mode).
 
@@ -69,7 +69,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     turns = getattr(runtime, "turns", None)  # the embedded runtime's store (vLLM: none here)
     if isinstance(turns, CountingStore):
         metrics.watch_store(turns)
-    service = ChatService(runtime.stream_chat, config, metrics)
+    service = ChatService(runtime.stream_turn, config, metrics)
     started = now()
 
     @asynccontextmanager

@@ -1,5 +1,5 @@
 """The generation queue: one FIFO per tenant, served round-robin, with two bounds, and the
-handle (:class:`Generation`) a queued request is answered through.
+handle (:class:`Ticket`) a queued request is answered through.
 
 The model serves one request at a time, so the order of the queue is the order of service.
 A single FIFO lets a tenant that queued 50 requests delay another tenant's one request by 50
@@ -23,7 +23,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from agentspec.errors import ConfigError
 
-__all__ = ["Event", "FairQueue", "Generation", "Refusal"]
+__all__ = ["Event", "FairQueue", "Refusal", "Ticket"]
 
 # ("delta", str) | ("done", ChatResult) | ("error", BaseException) | ("cancelled", None)
 Event = tuple[str, Any]
@@ -116,8 +116,9 @@ class FairQueue(Generic[T]):
         return items
 
 
-class Generation:
-    """A handle on one queued or running generation; read its events with :meth:`next`.
+class Ticket:
+    """A request's ticket from submission to its last event, queued or running: the service
+    answers the request through it; read its events with :meth:`next`.
 
     Args:
         loop: The event loop the events are handed to.
@@ -127,7 +128,7 @@ class Generation:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, job: Any,
-                 on_cancel: Callable[[Generation], None] | None = None) -> None:
+                 on_cancel: Callable[[Ticket], None] | None = None) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()

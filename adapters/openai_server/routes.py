@@ -28,7 +28,7 @@ from adapters.openai_server.errors import (
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.params import check_params
 from adapters.openai_server.schemas import ChatCompletionRequest, ModelList
-from adapters.openai_server.service import ChatService, Generation, build_job
+from adapters.openai_server.service import ChatService, Ticket, build_job
 from adapters.openai_server.streaming import Answers
 from adapters.openai_server.validation import check_conversation, parse_json
 from agentspec.chat.api import ChatRuntime
@@ -63,7 +63,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
-async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
+async def _cancel_on_disconnect(request: Request, gen: Ticket) -> None:
     """Cancel ``gen`` when the client hangs up (a queued job leaves the queue at once)."""
     while True:
         message = await request.receive()

@@ -22,7 +22,7 @@ those when a generation finishes).
 
 Cancellation: a client that disconnects while queued gives its slot back at once (the
 handle leaves the queue, its counters drop); one that disconnects while its request runs
-stops it at the runtime's next check (the ``cancel`` event of ``stream_chat``: between
+stops it at the runtime's next check (the turn's ``cancel`` event: between
 prefill chunks and decode steps; a cold prefill is one forward and runs to its end), or at
 the next delta. Either way the unfinished turn is never stored, and the handle receives one
 final ``cancelled`` event, so no handler waits forever.
@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -59,63 +59,56 @@ from adapters.openai_server.errors import (
 )
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.params import check_structured
-from adapters.openai_server.queue import FairQueue, Generation
+from adapters.openai_server.queue import FairQueue, Ticket
 from adapters.openai_server.schemas import ChatCompletionRequest
-from agentspec.chat.api import ChatResult
+from agentspec.chat.api import ChatResult, ChatStream
 from agentspec.chat.formats import ToolFormat
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import Cancelled
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.types import RequestStats, SessionRef, check_id
 
-__all__ = ["ChatService", "Generation", "Job", "build_job", "session_id_for"]
+__all__ = ["ChatService", "Job", "Ticket", "build_job", "session_id_for"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """A request resolved into the arguments of :meth:`Runtime.stream_chat`.
+    """A request resolved into the chat turn the runtime runs, and the queue it waits in.
 
     Attributes:
-        messages: Role/content dicts (OpenAI shapes, tool calls included).
-        tools: The request's tool schemas as sent (``None``: no tools).
-        tool_choice: As sent.
-        session: Cache scope of the request; ``None`` for an anonymous request.
-        spec: Agent spec with the request's sampling settings.
-        max_tokens: Completion token limit.
-        stop: Stop sequences.
-        response_format: As sent (``None``: free text).
+        turn: The runtime's request: the messages (OpenAI shapes, tool calls included),
+            the tool schemas, ``tool_choice``, ``stop`` and ``response_format`` as sent,
+            the session (``None`` for an anonymous request), the agent spec with the
+            request's sampling settings and the completion token limit. Its ``cancel`` is
+            the running handle's, added when the job runs.
         tenant: The API key's tenant: the queue the request waits in (``None``: the
             session's tenant, else one shared anonymous queue).
     """
 
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    tool_choice: str | dict[str, Any] | None
-    session: SessionRef | None
-    spec: AgentSpec
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    response_format: dict[str, Any] | None = None
+    turn: ChatTurn
     tenant: str | None = None
 
     @property
     def session_id(self) -> str | None:
         """The session the client can name again (``None`` for a one-off request, whose
         ephemeral ref is never stored and never reported)."""
-        if self.session is None or self.session.ephemeral:
+        session = self.turn.session
+        if session is None or session.ephemeral:
             return None
-        return self.session.session_id
+        return session.session_id
 
     @property
     def tools_active(self) -> bool:
         """True when tools are bound and not switched off by ``tool_choice="none"``."""
-        return bool(self.tools) and self.tool_choice != "none"
+        return self.turn.tools_active
 
     @property
     def queue_key(self) -> str:
         """The tenant whose FIFO the job waits in (``""``: the anonymous one)."""
         if self.tenant is not None:
             return self.tenant
-        return self.session.tenant if self.session is not None else ""
+        session = self.turn.session
+        return session.tenant if session is not None else ""
 
 
 def _message_dict(msg: Any) -> dict[str, Any]:
@@ -221,14 +214,15 @@ def build_job(
     # Under session scope an anonymous request uses its own request index only (session
     # None): a random id would draft exactly the same but leave an orphan row in the store.
     check_structured(request, raw_tools)
-    return Job(messages, raw_tools, request.tool_choice, session, spec, limit,
-               request.stop_list(), request.response_format, tenant)
+    turn = ChatTurn(messages, raw_tools, request.tool_choice, session, spec, limit,
+                    request.stop_list(), response_format=request.response_format or None)
+    return Job(turn, tenant)
 
 
-def _runtime_part(stream_chat: Callable[..., Any], name: str) -> Any:
-    # `stream_chat` is normally a bound method of a ChatRuntime, which has a tokenizer and
+def _runtime_part(stream_turn: Callable[[ChatTurn], ChatStream], name: str) -> Any:
+    # `stream_turn` is normally a bound method of a ChatRuntime, which has a tokenizer and
     # a tool format; a bare function has neither.
-    return getattr(getattr(stream_chat, "__self__", None), name, None)
+    return getattr(getattr(stream_turn, "__self__", None), name, None)
 
 
 class ChatService:
@@ -236,25 +230,26 @@ class ChatService:
     from per-tenant queues round-robin (see the module docstring for the bounds).
 
     Args:
-        stream_chat: The runtime's ``stream_chat`` (or a fake with its signature).
+        stream_turn: The runtime's ``stream_turn`` (or a fake with its signature).
         config: Server settings (queue bounds, waiting and generation time limits).
         metrics: Where queue and finish numbers go.
         tool_format: Parses the tool calls of an answer cut at the generation deadline
-            (default: the format of the runtime ``stream_chat`` is bound to).
+            (default: the format of the runtime ``stream_turn`` is bound to).
         count_tokens: Counts the completion tokens of such an answer (default: the length
             of the runtime's tokenizer's encoding; 0 without a tokenizer).
     """
 
     def __init__(
-        self, stream_chat: Callable[..., Any], config: ServerConfig, metrics: Metrics, *,
+        self, stream_turn: Callable[[ChatTurn], ChatStream], config: ServerConfig,
+        metrics: Metrics, *,
         tool_format: ToolFormat | None = None,
         count_tokens: Callable[[str], int] | None = None,
     ) -> None:
-        self._stream_chat = stream_chat
+        self._stream_turn = stream_turn
         self._config = config
         self._metrics = metrics
-        self._tool_format = tool_format or _runtime_part(stream_chat, "tool_format")
-        tokenizer = _runtime_part(stream_chat, "tokenizer")
+        self._tool_format = tool_format or _runtime_part(stream_turn, "tool_format")
+        tokenizer = _runtime_part(stream_turn, "tokenizer")
         self._count_tokens = count_tokens or (
             (lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
             if tokenizer is not None else (lambda _: 0))
@@ -262,7 +257,7 @@ class ChatService:
         # single worker thread takes jobs in the fair queue's order, not in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-gen")
         self._lock = threading.Lock()
-        self._queue: FairQueue[Generation] = FairQueue(config.max_waiting, config.tenant_share)
+        self._queue: FairQueue[Ticket] = FairQueue(config.max_waiting, config.tenant_share)
         self._closing = False
 
     @property
@@ -276,7 +271,7 @@ class ChatService:
         with self._lock:
             return len(self._queue)
 
-    def submit(self, job: Job) -> Generation:
+    def submit(self, job: Job) -> Ticket:
         """Queue a job; its events arrive on the returned handle.
 
         Raises:
@@ -284,7 +279,7 @@ class ChatService:
                 server is shutting down; 429 when the job's tenant already has its share
                 (``config.tenant_share``) queued.
         """
-        gen = Generation(asyncio.get_running_loop(), job, self._withdraw)
+        gen = Ticket(asyncio.get_running_loop(), job, self._withdraw)
         with self._lock:  # the waiting gauge moves with the queue, under its lock
             refused = "shutdown" if self._closing else self._queue.offer(gen.tenant, gen)
             waiting = len(self._queue)
@@ -302,7 +297,7 @@ class ChatService:
             self._executor.submit(self._serve_next)
         return gen
 
-    def _withdraw(self, gen: Generation) -> None:
+    def _withdraw(self, gen: Ticket) -> None:
         """A queued handle whose client left: off the queue now, its slot free for others.
         A handle already taken by the worker (or answered by shutdown) is left to them."""
         with self._lock:
@@ -332,22 +327,16 @@ class ChatService:
             return
         self._run(gen)
 
-    def _run(self, gen: Generation) -> None:
+    def _run(self, gen: Ticket) -> None:
         """Generate ``gen``'s job, handing each delta and one final event to its loop."""
         job = gen.job
         self._metrics.started(+1)
         limit = self._config.max_generation_s
         deadline = time.perf_counter() + limit if limit else math.inf
-        out: list[ChatResult] = []
         text: list[str] = []
-        stream = None
+        stream: ChatStream | None = None
         try:
-            stream = self._stream_chat(
-                job.messages, job.tools, tool_choice=job.tool_choice, session=job.session,
-                spec=job.spec, max_tokens=job.max_tokens, stop=job.stop, result=out,
-                cancel=gen.cancel_event,
-                **({"response_format": job.response_format} if job.response_format else {}),
-            )
+            stream = self._stream_turn(dataclasses.replace(job.turn, cancel=gen.cancel_event))
             for delta in stream:
                 if gen.cancelled:
                     raise Cancelled("the client left")
@@ -358,7 +347,7 @@ class ChatService:
                     self._metrics.deadline_stop()
                     gen.emit("done", self._cut_short(job, "".join(text)))
                     return
-            gen.emit("done", out[0])
+            gen.emit("done", stream.result)
         except Cancelled:  # the runtime (or this loop) saw the client leave mid-generation
             self._metrics.cancelled("running")
             gen.emit("cancelled", None)
@@ -373,8 +362,8 @@ class ChatService:
         """The answer of a generation stopped at the deadline: its text so far, finish
         reason ``length``; usage counts the completion tokens only (see module docstring)."""
         n = self._count_tokens(text)
-        result = ChatResult.build(text, job.tools if job.tools_active else None, "length", 0,
-                                  [], RequestStats(generated_tokens=n), self._tool_format)
+        result = ChatResult.build(text, job.turn.tools if job.tools_active else None, "length",
+                                  0, [], RequestStats(generated_tokens=n), self._tool_format)
         return dataclasses.replace(result, completion_tokens=n)
 
     def shutdown(self) -> None:

@@ -1,6 +1,6 @@
 """Answering one chat completion: as one JSON body, or as server-sent events.
 
-:class:`Answers` turns the events of a queued :class:`~adapters.openai_server.service.Generation`
+:class:`Answers` turns the events of a queued :class:`~adapters.openai_server.service.Ticket`
 (``delta`` ... ``done``, or ``error`` / ``cancelled``) into the HTTP response, recording the
 request in the server's metrics. A client that leaves before its answer exists gets nothing
 (499) and its turn is never stored.
@@ -21,7 +21,7 @@ from adapters.openai_server import responses
 from adapters.openai_server.errors import from_exception
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.schemas import wire
-from adapters.openai_server.service import Generation, Job
+from adapters.openai_server.service import Job, Ticket
 from agentspec.chat.formats import ToolFormat
 
 __all__ = ["Answers"]
@@ -43,7 +43,7 @@ class Answers:
         self.tool_format = tool_format  # the model's (streamed text is held from a call on)
 
     @staticmethod
-    async def _first(gen: Generation) -> tuple[str, Any]:
+    async def _first(gen: Ticket) -> tuple[str, Any]:
         """The next event of ``gen``; raises for an error or a departed client."""
         try:
             kind, payload = await gen.next()
@@ -59,7 +59,7 @@ class Answers:
             raise err
         return kind, payload
 
-    async def complete(self, gen: Generation, job: Job, headers: dict[str, str]) -> Response:
+    async def complete(self, gen: Ticket, job: Job, headers: dict[str, str]) -> Response:
         """The whole answer as one JSON body."""
         metrics = self.metrics
         try:
@@ -76,7 +76,7 @@ class Answers:
         return JSONResponse(wire(body), headers=headers)
 
     async def stream(
-        self, gen: Generation, job: Job, include_usage: bool, headers: dict[str, str]
+        self, gen: Ticket, job: Job, include_usage: bool, headers: dict[str, str]
     ) -> Response:
         """The answer as server-sent events (OpenAI's chunk objects, then ``[DONE]``)."""
         metrics = self.metrics

@@ -36,12 +36,13 @@ from adapters.vllm.request_ids import encode_request_id
 from adapters.vllm.speculative import Proposer, speculative_config
 from adapters.vllm.stats import SpecCounters, read_counters, request_stats
 from adapters.vllm.structured import structured_output_kwargs
-from agentspec.chat.api import ChatResult, ToolChoice, chat_prompt_ids
+from agentspec.chat.base import BaseChatRuntime, Decoded, TurnPlan
 from agentspec.chat.formats import ToolFormat, choose_tool_format
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import Cancelled, ConfigError
 from agentspec.spec import AgentSpec
 from agentspec.tokens import eos_ids
-from agentspec.types import SamplingParams, SessionRef
+from agentspec.types import SamplingParams
 
 if TYPE_CHECKING:
     from agentspec.chat.api import ChatRuntime
@@ -113,8 +114,12 @@ class _TargetInfo:
     path: str
 
 
-class VLLMRuntime:
+class VLLMRuntime(BaseChatRuntime[dict[str, Any]]):
     """A vLLM engine behind :class:`agentspec.runtime.Runtime`'s ``chat`` / ``stream_chat``.
+
+    The steps every turn shares are :class:`~agentspec.chat.base.BaseChatRuntime`'s; this
+    runtime adds its checks (:meth:`check_turn`), vLLM's structured outputs as the grammar
+    (:meth:`grammar_for`) and the engine's decode (:meth:`begin_decode`).
 
     Args:
         llm: A started ``vllm.LLM``.
@@ -140,7 +145,7 @@ class VLLMRuntime:
         self.default_spec = default_spec or AgentSpec()
         self.proposer = proposer
         self.store = None  # session histories live in the proposer (worker process)
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._warned: set[tuple[str, int]] = set()
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
@@ -191,6 +196,12 @@ class VLLMRuntime:
         )
         return cls(llm, files.name, str(files.path), spec, proposer, tool_format)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The engine's lock: held while a request decodes (one request at a time, so
+        vLLM's process-wide spec-decode counters measure that request alone)."""
+        return self._lock
+
     # ------------------------------------------------------------------ helpers
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens (tool-call tags that are special tokens
@@ -200,21 +211,6 @@ class VLLMRuntime:
         drop = set(self.tokenizer.all_special_ids) - self._keep
         kept = [int(t) for t in ids if int(t) not in drop]
         return str(self.tokenizer.decode(kept, skip_special_tokens=False))
-
-    def prompt_ids(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: ToolChoice = None,
-        assistant_prefix: str = "",
-    ) -> tuple[list[int], str]:
-        """Rendered prompt token ids and the text that opens the assistant turn.
-
-        As ``Runtime.prompt_ids``, plus ``assistant_prefix`` (text the caller puts at the
-        start of the answer, e.g. a file's opening fence) before any forced tool call.
-        """
-        return chat_prompt_ids(self.tokenizer, messages, tools, tool_choice, assistant_prefix,
-                               self.tool_format)
 
     def counters(self) -> SpecCounters:
         """vLLM's spec-decode counters now."""
@@ -258,103 +254,74 @@ class VLLMRuntime:
             repetition_penalty=sampling.repetition_penalty, **extra,
         )
 
-    # ------------------------------------------------------------------ Runtime surface
-    def stream_chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        *,
-        tool_choice: ToolChoice = None,
-        session: SessionRef | None = None,
-        spec: AgentSpec | None = None,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: SamplingParams | None = None,
-        result: list[ChatResult] | None = None,
-        assistant_prefix: str = "",
-        response_format: Any = None,
-        cancel: threading.Event | None = None,
-    ) -> Generator[str, None, None]:
-        """Yield text deltas; append the final :class:`ChatResult` to ``result``.
-
-        Arguments as :meth:`agentspec.runtime.Runtime.stream_chat`, plus
-        ``assistant_prefix``: text that opens the answer (part of the prompt; the deltas
-        and the result's text start with it).
-
-        Requests are served one at a time (the lock is held while the generator runs), so
-        vLLM's process-wide spec-decode counters measure this request alone; closing the
-        generator early aborts the vLLM request, and so does ``cancel`` (checked before
-        every engine step; a step's prefill is not interrupted), raising
-        :class:`~agentspec.errors.Cancelled`.
+    # ------------------------------------------------------------------ the turn's hooks
+    def check_turn(self, turn: ChatTurn, spec: AgentSpec) -> None:
+        """Refuse what vLLM cannot serve before any work.
 
         Raises:
-            ConfigError: ``max_tokens`` < 1, ASD verification, or a bad ``tool_choice``.
+            ConfigError: ``max_tokens`` < 1, or ASD verification.
         """
-        spec = spec or self.default_spec
         self._check_spec(spec)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        sampling = sampling or spec.verifier.sampling()
-        structured = structured_output_kwargs(tools, tool_choice, response_format, spec,
-                                              self.tool_format)
-        # Under a tool grammar the grammar writes the call's opening; no forced prefix.
-        choice = "auto" if structured and "grammar" in structured else tool_choice
-        prompt, prefix = self.prompt_ids(messages, tools, choice, assistant_prefix)
-        if tools and tool_choice != "none":
-            stop = [*stop, *self.tool_format.stop]
-        params = self._sampling_params(sampling, max_tokens, stop, structured)
-        with self.lock:
-            if prefix:
-                yield prefix
-            request_id = encode_request_id(session)
-            before = self.counters()
-            start = time.perf_counter()
-            # Salted by the tenant: vLLM's prefix cache never hands one tenant's KV to
-            # another (adapters.vllm.cache_salt).
-            self.engine.add_request(request_id, engine_prompt(prompt, session), params)
-            final: Any = None
-            sent = 0
-            try:
-                while final is None:
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("the request was cancelled")
-                    for out in self.engine.step():
-                        if out.request_id != request_id:
-                            continue
-                        text = out.outputs[0].text
-                        if len(text) > sent:
-                            yield text[sent:]
-                            sent = len(text)
-                        if out.finished:
-                            final = out.outputs[0]
-            finally:
-                if final is None:
-                    self.engine.abort_request([request_id])
-            seconds = time.perf_counter() - start
-            delta = self.counters() - before
-        tokens = [int(t) for t in final.token_ids]
-        stats = request_stats(delta, len(prompt), len(tokens), seconds, self._source())
-        finish = "length" if final.finish_reason == "length" else "stop"
-        if result is not None:
-            text = str(final.text)
-            if self._keep:  # vLLM's detokenizer skips special tokens: keep the tags
-                text = self.decode(tokens)
-            result.append(ChatResult.build(
-                prefix + text, tools if tool_choice != "none" else None, finish, len(prompt),
-                tokens, stats, self.tool_format,
-            ))
+        if not isinstance(turn.max_tokens, int) or turn.max_tokens < 1:
+            raise ConfigError(
+                f"max_tokens must be a positive integer, got {turn.max_tokens!r}"
+            )
 
-    def chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        """Complete a chat (see :meth:`stream_chat` for the arguments)."""
-        out: list[ChatResult] = []
-        for _ in self.stream_chat(messages, tools, result=out, **kwargs):
-            pass
-        return out[0]
+    def grammar_for(self, turn: ChatTurn, spec: AgentSpec) -> dict[str, Any] | None:
+        """vLLM's structured-output arguments of the turn (see
+        :func:`~adapters.vllm.structured.structured_output_kwargs`)."""
+        return structured_output_kwargs(turn.tools, turn.tool_choice, turn.response_format,
+                                        spec, self.tool_format)
+
+    def begin_decode(self, plan: TurnPlan[dict[str, Any]]) -> Generator[str, None, Decoded]:
+        """vLLM's sampling parameters of the turn, built now; the returned generator runs
+        the request on the engine.
+
+        Requests are served one at a time (the lock is held while the turn runs), so
+        vLLM's process-wide spec-decode counters measure this request alone; closing the
+        stream early aborts the vLLM request, and so does the turn's ``cancel`` (checked
+        before every engine step; a step's prefill is not interrupted), raising
+        :class:`~agentspec.errors.Cancelled`.
+        """
+        params = self._sampling_params(plan.sampling, plan.turn.max_tokens, plan.stop,
+                                       plan.grammar)
+        return self._decode(plan, params)
+
+    def _decode(self, plan: TurnPlan[dict[str, Any]], params: Any) -> Generator[str, None, Decoded]:
+        session, cancel = plan.turn.session, plan.turn.cancel
+        request_id = encode_request_id(session)
+        before = self.counters()
+        start = time.perf_counter()
+        # Salted by the tenant: vLLM's prefix cache never hands one tenant's KV to
+        # another (adapters.vllm.cache_salt).
+        self.engine.add_request(request_id, engine_prompt(plan.prompt, session), params)
+        final: Any = None
+        sent = 0
+        try:
+            while final is None:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("the request was cancelled")
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if out.finished:
+                        final = out.outputs[0]
+        finally:
+            if final is None:
+                self.engine.abort_request([request_id])
+        seconds = time.perf_counter() - start
+        delta = self.counters() - before
+        tokens = [int(t) for t in final.token_ids]
+        stats = request_stats(delta, len(plan.prompt), len(tokens), seconds, self._source())
+        finish = "length" if final.finish_reason == "length" else "stop"
+        text = str(final.text)
+        if self._keep:  # vLLM's detokenizer skips special tokens: keep the tags
+            text = self.decode(tokens)
+        return Decoded(text, tokens, finish, stats)
 
     def _source(self) -> str:
         """Drafter name recorded on steps that verified a draft."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import overload
 
-__all__ = ["COST", "MIN_SCORE", "OUTPUTS", "PAYOFF", "PREDICTOR", "SCOPE", "SPEC_OFFSET",
-           "STATS", "STORE", "VARIABLES", "read"]
+__all__ = ["COST", "COST_CURVE", "MIN_SCORE", "OUTPUTS", "PAYOFF", "PREDICTOR", "SCOPE",
+           "SPEC_OFFSET", "STATS", "STORE", "VARIABLES", "read"]
 
 #: History scope of the session cache: ``session`` / ``agent`` / ``tenant``
 #: (default: the session cache's own).
@@ -35,9 +35,13 @@ PAYOFF = "AGENTSPEC_VLLM_PAYOFF"
 PREDICTOR = "AGENTSPEC_VLLM_PREDICTOR"
 #: The served model's verification cost per draft token, in forwards (default 0.04).
 COST = "AGENTSPEC_VLLM_COST_PER_TOKEN"
+#: A JSON file of the served model's measured verify cost ``{"k": cost}`` (or an agentspec
+#: cost file), used by the payoff gate instead of the per-token line (default: none).
+COST_CURVE = "AGENTSPEC_VLLM_COST_CURVE"
 
 #: Every variable, for documentation and checks.
-VARIABLES = (SCOPE, MIN_SCORE, STORE, STATS, SPEC_OFFSET, OUTPUTS, PAYOFF, PREDICTOR, COST)
+VARIABLES = (SCOPE, MIN_SCORE, STORE, STATS, SPEC_OFFSET, OUTPUTS, PAYOFF, PREDICTOR, COST,
+             COST_CURVE)
 
 
 @overload

@@ -37,7 +37,10 @@ Settings come from the environment, which vLLM passes on to its worker processes
 this is not sent, so the step costs no verification work; default 0) and
 ``AGENTSPEC_VLLM_STORE`` (a SQLite session store to persist and reload turns; default none)
 and ``AGENTSPEC_VLLM_PAYOFF=cost_aware`` (the learned payoff predictor cuts each draft to
-its predicted useful length, or withholds it; see :mod:`adapters.vllm.payoff_gate`) and
+its predicted useful length, or withholds it, and calibrates itself from each draft's
+full-length label, which the row's later committed tokens decide; see
+:mod:`adapters.vllm.payoff_gate`; ``AGENTSPEC_VLLM_COST_PER_TOKEN`` or
+``AGENTSPEC_VLLM_COST_CURVE`` prices the drafts) and
 ``AGENTSPEC_VLLM_STATS`` (a JSON file the proposer's counters, ``propose_ms_per_step``
 included, are written to every 8 steps: how a benchmark reads them from vLLM's worker)
 and ``AGENTSPEC_VLLM_SPEC_OFFSET`` (tokens a draft may run past ``max_spec_factor`` times
@@ -65,9 +68,11 @@ from agentspec.drafters.suffix.drafter import SuffixConfig, SuffixDrafter
 from agentspec.errors import ConfigError
 from agentspec.factory import suffix_config
 from agentspec.interfaces import TurnStore
+from agentspec.payoff.labels import ShadowLabels
+from agentspec.requests import REQUESTS, Slot
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.sessions import persist_turn
-from agentspec.types import DraftContext, SessionRef
+from agentspec.types import DraftContext, SessionRef, state_key
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +84,7 @@ _ANON_TENANT = "vllm-anonymous"  # request-only scope of requests without a sess
 
 
 @dataclass
-class _Live:
+class _BatchRequest:
     """One request the proposer is drafting for."""
 
     ref: SessionRef
@@ -90,6 +95,8 @@ class _Live:
     step: int = 0
     last_draft: int = 0  # tokens proposed at the previous step
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=8))
+    # The payoff gate's drafts awaiting their full-length label (its online calibration).
+    labels: ShadowLabels = field(default_factory=ShadowLabels)
 
 
 @dataclass
@@ -199,7 +206,9 @@ class AgentSpecProposer:
         self.stats = ProposerStats()
         raw = envs.read(ENV_STATS)
         self.stats_path = Path(raw) if raw else None
-        self._live: dict[str, _Live] = {}
+        # The requests in vLLM's batch, in the one home of per-request state under
+        # ("vllm", vLLM's id): a request's lifecycle follows its batch membership.
+        self._live: Slot[_BatchRequest] = REQUESTS.slot("vllm")
         self._anon = 0
         self._serial = 0  # distinguishes a vLLM request id reused after it finished
 
@@ -248,11 +257,16 @@ class AgentSpecProposer:
                 drafts.append([])
                 continue
             live = self._sync(req_ids[i], token_ids_cpu[i], n, len(sampled), i)
+            accepted = 0
             if live.last_draft:
                 # vLLM committed the accepted draft tokens plus one of its own.
                 accepted = min(len(sampled) - 1, live.last_draft)
                 live.recent.append((live.last_draft, accepted))
                 self.stats.accepted += accepted
+            if self.gate is not None:
+                # The step is verified and its tokens committed: the gate learns from it
+                # and labels the earlier drafts they decide (its online calibration).
+                self.gate.observe(live.tokens, live.labels, live.last_draft, accepted)
             ctx = DraftContext(live.tokens, live.prompt_len, live.ref, live.step, live.rid)
             live.step += 1
             draft = self.drafter.propose(ctx, limit)
@@ -261,7 +275,8 @@ class AgentSpecProposer:
             if tokens and draft.score < self.min_score:
                 keep = 0
             elif tokens and self.gate is not None:
-                keep = self.gate.length(live.tokens, live.prompt_len, draft, list(live.recent))
+                keep = self.gate.length(live.tokens, live.prompt_len, draft, list(live.recent),
+                                        live.labels)
             if tokens and keep == 0:
                 self.stats.gated += 1
             tokens = tokens[:keep]
@@ -315,9 +330,9 @@ class AgentSpecProposer:
                 pass
         return max(0, n - sampled)
 
-    def _sync(self, rid: str, row: Any, n: int, sampled: int, index: int) -> _Live:
+    def _sync(self, rid: str, row: Any, n: int, sampled: int, index: int) -> _BatchRequest:
         """The tracked request of a row, created or extended to its ``n`` tokens."""
-        live = self._live.get(rid)
+        live = self._live.get(("vllm", rid))
         if live is not None and rid.startswith("row"):
             # No request ids: a row whose tokens no longer extend ours is a new request.
             m = min(len(live.tokens), n)
@@ -335,9 +350,9 @@ class AgentSpecProposer:
             else:
                 self.stats.sessions.add(f"{ref.tenant}/{ref.agent}/{ref.session_id}")
             self._serial += 1
-            live = _Live(ref, anonymous, [int(t) for t in row[:n]],
+            live = _BatchRequest(ref, anonymous, [int(t) for t in row[:n]],
                          self._prompt_len(index, n, sampled), f"{rid}#{self._serial}")
-            self._live[rid] = live
+            self._live.put(("vllm", rid), live)
         elif n > len(live.tokens):
             # Extend in place: the drafter sees the same list object and checks only the seam.
             live.tokens.extend(int(t) for t in row[len(live.tokens) : n])
@@ -345,12 +360,23 @@ class AgentSpecProposer:
 
     def _finish_departed(self, present: set[str]) -> None:
         """Finish tracked requests that are no longer in the batch."""
-        for rid in [r for r in self._live if r not in present]:
-            self._finish(rid)
+        for key, _ in list(self._live.items()):
+            if key[1] not in present:  # type: ignore[index]
+                self._finish(key[1])  # type: ignore[index]
 
     def _finish(self, rid: str) -> None:
         """Add a request to its session history (or drop a session-less request's index)."""
-        live = self._live.pop(rid)
+        live = self._live.pop(("vllm", rid))
+        if live is None:  # forgotten by the home (more live requests than it keeps)
+            return
+        # The drafter's (and any part's) state of this request ends with its membership.
+        try:
+            self._end(live)
+        finally:
+            REQUESTS.end(state_key(live.rid))
+
+    def _end(self, live: _BatchRequest) -> None:
+        """Add a finished request to its session history (or drop a session-less one)."""
         if live.anonymous:
             self.drafter.stop_request(DraftContext(live.tokens, live.prompt_len, live.ref,
                                                    live.step, live.rid))

@@ -2,29 +2,33 @@
 runtime's contract, the result of one chat completion and the prompt of one request.
 
 :class:`ChatRuntime` is implemented by :class:`agentspec.runtime.Runtime` (agentspec's
-engine) and ``adapters.vllm.VLLMRuntime`` (a vLLM engine); :class:`ChatResult` is what
-both return, :func:`chat_prompt_ids` how both render a request.
+engine) and ``adapters.vllm.VLLMRuntime`` (a vLLM engine), both through
+:class:`agentspec.chat.base.BaseChatRuntime`; a turn is a
+:class:`~agentspec.chat.turn.ChatTurn`, :class:`ChatResult` is what both return (at the
+end of a :data:`ChatStream`), :func:`chat_prompt_ids` how both render a request.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from agentspec.chat.formats import ToolFormat, format_for
 from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.stream import ResultStream
 from agentspec.chat.templates import render_prompt
 from agentspec.chat.tool_calls import InvalidToolCall, ToolCall, tool_names
+from agentspec.chat.turn import ChatTurn, ToolChoice
 from agentspec.interfaces import ServedModel, TurnStore
 from agentspec.spec import AgentSpec
-from agentspec.types import RequestStats, SamplingParams, SessionRef
+from agentspec.types import RequestStats
 
-__all__ = ["ChatResult", "ChatRuntime", "ToolChoice", "chat_prompt_ids", "forced_prefix"]
-
-ToolChoice = str | dict[str, Any] | None
+__all__ = [
+    "ChatResult", "ChatRuntime", "ChatStream", "ChatTurn", "ToolChoice", "chat_prompt_ids",
+    "forced_prefix",
+]
 
 
 @dataclass
@@ -86,6 +90,11 @@ class ChatResult:
             finish = "tool_calls"
         return cls(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls, finish,
                    prompt_tokens, len(tokens), stats, tokens, fmt)
+
+
+
+#: A turn's text deltas, then its :class:`ChatResult` (``stream.result``).
+ChatStream = ResultStream[ChatResult]
 
 
 def chat_prompt_ids(
@@ -177,39 +186,36 @@ class ChatRuntime(Protocol):
         """Held while a request decodes (requests are served one at a time)."""
         ...
 
+    def stream_turn(self, turn: ChatTurn) -> ChatStream:
+        """Stream one turn: iterate the returned stream for the answer's text deltas, then
+        read its ``result``.
+
+        The turn's ``assistant_prefix`` opens the answer (it is part of the prompt; the
+        deltas and the result's text start with it), before any call that its
+        ``tool_choice`` forces; its ``response_format`` (OpenAI's ``json_object`` /
+        ``json_schema``) constrains the answer to a grammar. Its ``cancel``, set from
+        another thread, stops the turn with :class:`~agentspec.errors.Cancelled` at the
+        runtime's next check (agentspec's runtime checks between prefill chunks and decode
+        steps; the server passes one for every request, so a runtime must honour it, and
+        may check it only per delta). Closing the stream early stops the turn.
+        """
+        ...
+
     def stream_chat(
         self,
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
-        *,
-        tool_choice: ToolChoice = None,
-        session: SessionRef | None = None,
-        spec: AgentSpec | None = None,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: SamplingParams | None = None,
-        result: list[ChatResult] | None = None,
-        assistant_prefix: str = "",
-        response_format: Any = None,
-        cancel: threading.Event | None = None,
-    ) -> Generator[str, None, None]:
-        """Yield text deltas of the answer; append the final result to ``result``.
-
-        ``assistant_prefix`` opens the answer (it is part of the prompt; the deltas and the
-        result's text start with it), before any call that ``tool_choice`` forces.
-        ``response_format`` (OpenAI's ``json_object`` / ``json_schema``) constrains the
-        answer to a grammar. ``cancel``, set from another thread, stops the request with
-        :class:`~agentspec.errors.Cancelled` at the runtime's next check (agentspec's
-        runtime checks between prefill chunks and decode steps; the server passes it for
-        every request, so a runtime must accept it, and may check it only per delta).
-        """
+        **fields: Any,
+    ) -> ChatStream:
+        """:meth:`stream_turn` of the :class:`~agentspec.chat.turn.ChatTurn` whose fields
+        the keywords name."""
         ...
 
     def chat(
         self,
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
-        **kwargs: Any,
+        **fields: Any,
     ) -> ChatResult:
-        """Complete a chat (the arguments of :meth:`stream_chat`)."""
+        """Complete a chat (the keywords of :meth:`stream_chat`)."""
         ...

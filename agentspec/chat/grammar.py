@@ -16,13 +16,13 @@ and plugs into :class:`~agentspec.engine.SpeculativeDecoder` through three calls
 
 Each mask is computed once, for a state the verifier needs (no mask is recomputed between
 steps: row 0 of a step is the state after the previous step's new token, which no earlier
-step has seen). Masks cost about 0.08 ms per row on the embedded model's 49k vocabulary
-(``scripts/measure_grammar_engines.py``), against ~20 ms for one target forward.
+step has seen). A mask costs a small fraction of one target forward
+(``scripts/measure_grammar_engines.py``).
 
 Why llguidance rather than xgrammar: both have CPU wheels and rollback; on this tokenizer
-xgrammar fills a mask faster (0.008 vs 0.08 ms per token) but its wheel requires ``triton``
-(about 1 GB installed) while llguidance has no dependencies at all; both costs are under
-0.5 % of a forward, so the smaller install wins (numbers in ``docs/structured-outputs.md``).
+xgrammar fills a mask faster, but its wheel requires ``triton`` (about 1 GB installed) while
+llguidance has no dependencies at all; both costs are negligible against a forward, so the
+smaller install wins (numbers in ``docs/structured-outputs.md``).
 
 Grammars are llguidance Lark text; :mod:`agentspec.chat.grammar_sources` builds them from JSON
 schemas, ``response_format`` and tool schemas. A grammar is client input compiled on the

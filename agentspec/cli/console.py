@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from workflows.bench.harness import BenchConfig, run_bench
-    from workflows.report.tables import format_table
+    from workflows.report.tables import results_table
 
     cfg = BenchConfig(
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
@@ -152,7 +152,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     report = run_bench(cfg)
     print(f"model: {report['model']}  machine: {report['machine']['processor']}, "
           f"{report['machine']['cpus']} cpus, torch threads {report['machine']['torch_threads']}")
-    print(format_table(report["results"]))
+    print(results_table(report["results"]))
     if args.out:
         print(f"results written to {args.out}")
     if not all(r["identical_to_greedy"] for r in report["results"]):
@@ -161,6 +161,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from agentspec.chat.stream import ResultStream
     from agentspec.chat.templates import render_prompt
     from agentspec.factory import build_drafter, build_engine
     from agentspec.spec import AgentSpec, DraftingPolicy
@@ -176,11 +177,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos_token_ids=eos_ids(tok),
     )
     prompt = render_prompt(tok, [{"role": "user", "content": args.prompt}])
-    result: list = []
-    for delta in engine.stream(prompt, args.max_tokens, result=result):
+    stream = ResultStream(engine.stream(prompt, args.max_tokens))
+    for delta in stream:
         print(delta, end="", flush=True)
     print()
-    print(json.dumps(result[0].stats.to_dict(), indent=1), file=sys.stderr)
+    print(json.dumps(stream.result.stats.to_dict(), indent=1), file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,7 @@ from agentspec.tokens import eos_ids
 from agentspec.training.corpus import TeacherSeq
 from agentspec.training.drafter import TrainDrafterConfig
 
-__all__ = ["DrafterData", "add_train_drafter_parser", "read_traces", "run_train_drafter"]
+__all__ = ["DrafterData", "add_train_drafter_parser", "read_teacher_traces", "run_train_drafter"]
 
 
 class DrafterData(Protocol):
@@ -100,7 +100,7 @@ def add_train_drafter_parser(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
-def read_traces(path: Path, tokenizer: Any, target_name: str, vocab: int,
+def read_teacher_traces(path: Path, tokenizer: Any, target_name: str, vocab: int,
                 model: Any, top_k: int) -> list[TeacherSeq]:
     """Teacher sequences from a traces file (see the module doc).
 
@@ -193,7 +193,7 @@ def run_train_drafter(args: argparse.Namespace, data: DrafterData) -> int:
     report.update(collect_s=round(collect_s, 1), total_s=round(time.monotonic() - start, 1),
                   data=str(folder), teacher_cache=str(cache) if cache else None)
     save_artifact(Path(out), spec, tensors, report)
-    _summary(Path(out), report, len(seqs), collect_s)
+    _print_summary(Path(out), report, len(seqs), collect_s)
     return 0
 
 
@@ -207,7 +207,8 @@ def _collect(args: argparse.Namespace, data: DrafterData, cfg: TrainDrafterConfi
 
     show = not args.no_progress
     folder = data.folder(args.data)
-    seqs = read_traces(args.traces, tok, name, vocab, model, cfg.top_k) if args.traces else []
+    seqs = (read_teacher_traces(args.traces, tok, name, vocab, model, cfg.top_k)
+            if args.traces else [])
     # A quarter of the collection time for documents, the rest for chat generations.
     docs = data.documents(folder, cfg.seed)
     doc_end = start + (collect_end - start) * 0.25
@@ -297,7 +298,7 @@ def load_teacher(path: Path, model_name: str) -> list[TeacherSeq]:
     return [TeacherSeq(r["tokens"], int(r["start"]), r["top_ids"], r["top_logp"]) for r in rows]
 
 
-def _summary(out: Path, report: dict[str, Any], n_seqs: int, collect_s: float) -> None:
+def _print_summary(out: Path, report: dict[str, Any], n_seqs: int, collect_s: float) -> None:
     from agentspec.drafters.model.distilled import describe
 
     info = describe(out)

@@ -15,11 +15,12 @@ tenant all sessions share it, as in a vLLM deployment.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agentspec.errors import ConfigError
+from agentspec.requests import REQUESTS, Slot
 from agentspec.types import Draft, DraftContext, VerifyResult
 
 
@@ -63,7 +64,7 @@ def _new_cache(cfg: ArcticConfig) -> Any:
     return SuffixDecodingCache(cfg.max_tree_depth, cfg.max_cached_requests)
 
 
-class _Live:
+class _ArcticRequest:
     """One request in arctic's cache, driven as vLLM drives it: the committed tokens live
     in a growing int32 buffer and arctic reads a view of its tail (no per-step copies)."""
 
@@ -112,7 +113,9 @@ class ArcticSuffixDrafter:
         self.config = config or ArcticConfig()
         self._caches: dict[str, Any] = {}
         self._ids = itertools.count()
-        self._live: dict[Hashable, _Live] = {}
+        # Live requests, in the one home of per-request state; one the engine ends
+        # unfinished (or the home evicts) is stopped in arctic's cache too.
+        self._live: Slot[_ArcticRequest] = REQUESTS.slot("arctic", on_drop=_stop)
         self.cached_tokens = 0  # response tokens of finished requests in the global trees
 
     def _cache(self, ctx: DraftContext) -> Any:
@@ -121,15 +124,15 @@ class ArcticSuffixDrafter:
             self._caches[tenant] = _new_cache(self.config)
         return self._caches[tenant]
 
-    def _sync(self, ctx: DraftContext) -> _Live:
-        key = _key(ctx)
+    def _sync(self, ctx: DraftContext) -> _ArcticRequest:
+        key = ctx.state_key
         live = self._live.get(key)
         if live is None or len(ctx.tokens) < live.n or (ctx.request_id is None
                                                          and ctx.step == 0):
             if live is not None:
                 live.cache.stop_request(live.rid)
-            live = self._live[key] = _Live(self._cache(ctx), next(self._ids), ctx.tokens,
-                                           ctx.prompt_len)
+            live = _ArcticRequest(self._cache(ctx), next(self._ids), ctx.tokens, ctx.prompt_len)
+            self._live.put(key, live)
         if live.n < len(ctx.tokens):  # tokens committed without an observe call
             live.add(ctx.tokens[live.n :])
         return live
@@ -149,13 +152,13 @@ class ArcticSuffixDrafter:
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Hand the committed tokens to arctic (the request's tree and the global tree)."""
-        live = self._live.get(_key(ctx))
+        live = self._live.get(ctx.state_key)
         if live is not None and live.n == len(ctx.tokens):
             live.add(result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
         """Add the rest of the output and move the request into the global tree."""
-        live = self._live.pop(_key(ctx), None)
+        live = self._live.pop(ctx.state_key)
         if live is None:
             return
         if live.n < len(ctx.tokens):
@@ -168,5 +171,6 @@ class ArcticSuffixDrafter:
         return sum(int(c._global_tree.estimate_memory()) for c in self._caches.values())
 
 
-def _key(ctx: DraftContext) -> Hashable:
-    return ("id", ctx.request_id) if ctx.request_id is not None else ("session", ctx.session)
+def _stop(live: _ArcticRequest) -> None:
+    """Stop an unfinished request in arctic's cache (its request tree is released)."""
+    live.cache.stop_request(live.rid)

@@ -3,12 +3,11 @@ expected to commit the most tokens per second at the request's context length.
 
 Why. Verifying ``k`` draft tokens costs one forward over ``k + 1`` tokens, c(k + 1, L), and
 over a long context that cost grows steeply with k: every verified token attends to the
-whole cache, accepted or not (:mod:`agentspec.targets.costs`: c(33)/c(1) is 2.8 at 500
-cached positions, 3.8 at 8,000 on 2 CPU cores). Driven by real SWE-agent logs (30 turns,
-1.1k-7.5k-token prompts), the session cache's drafts were refuted at their first token on
-243 of 462 drafted steps, and those verifies took ~21 s more than plain one-token steps
-would have, a third of all decoding time. Most of them came from one-token suffix matches,
-whose drafts accepted 0.68 tokens on average.
+whole cache, accepted or not (:mod:`agentspec.targets.costs`). On real agent sessions
+many cache drafts are refuted at their first token, mostly those from short suffix matches,
+and verifying such a draft whole costs several plain steps; so a draft is verified only as
+far as its expected committed tokens pay for the forward, priced at the request's context
+as the machine is loaded now.
 
 The rule. For a draft of n tokens the drafter's score s (its expected accepted length
 under the index's own frequencies) is calibrated per match-length bucket b (power-of-two
@@ -28,21 +27,29 @@ committed continuation follows: :meth:`~agentspec.types.Draft.followed_length`),
 each request keeps its drafts until their labels are known, and drops the unresolved ones
 when it ends.
 
-Measured on those 30 turns (embedded model, greedy, identical outputs): 617 forwards
-instead of 523, 4,717 draft tokens verified instead of 7,403, and decoding 57.3 s instead of
-62.1 s (the gate's own cost, ~0.1 ms per step, included). With short verifies made cheap
-(``agentspec/targets/linear.py``), the gate verifies more, shorter drafts; see BENCHMARKS.md.
+The rule prices drafts by the measured curve, so where short verifies are cheap
+(``agentspec/targets/linear.py``) it verifies more, shorter drafts. What it saves:
+``docs/draft-cost.md`` and ``BENCHMARKS.md``.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agentspec.errors import ConfigError
 from agentspec.lru import LRU
+from agentspec.payoff.estimators import DecayedRatios
 from agentspec.payoff.policy import best_length, fit_copy_acceptance
-from agentspec.types import ContextCost, Draft, DraftContext, VerifyResult
+from agentspec.requests import REQUESTS, Slot
+from agentspec.types import (
+    ContextCost,
+    Draft,
+    DraftContext,
+    SessionRef,
+    VerifyResult,
+    state_key,
+)
 
 
 @dataclass(frozen=True)
@@ -91,20 +98,11 @@ def bucket(match_len: int) -> int:
     return min(max(match_len, 0), 64).bit_length()
 
 
-@dataclass
-class _Calibration:
-    """One tenant's decayed sums ``[Σ y, Σ s]`` per match-length bucket."""
+class _Calibration(DecayedRatios[int]):
+    """One tenant's decayed sums ``[Σ y, Σ s]`` per match-length bucket (the session
+    cache's level calibration keeps the same sums: one class, one formula)."""
 
-    sums: dict[int, list[float]] = field(default_factory=dict)
-
-    def ratio(self, b: int, prior: float, prior_ratio: float = 1.0) -> float:
-        y, s = self.sums.get(b, (0.0, 0.0))
-        return (y + prior * prior_ratio) / (s + prior)
-
-    def learn(self, b: int, label: int, score: float, decay: float) -> None:
-        st = self.sums.setdefault(b, [0.0, 0.0])
-        st[0] = st[0] * decay + label
-        st[1] = st[1] * decay + score
+    __slots__ = ()
 
 
 @dataclass
@@ -132,7 +130,8 @@ class DraftGate:
         self.cost = cost
         self.config = config or GateConfig()
         self._tenants: LRU[str, _Calibration] = LRU(self.config.max_tenants)
-        self._pending: dict[object, list[_Pending]] = {}  # request id -> its drafts
+        # Each live request's unlabelled drafts, in the one home of per-request state.
+        self._pending: Slot[list[_Pending]] = REQUESTS.slot("gate")
         self._lock = threading.Lock()
 
     def _calibration(self, tenant: str) -> _Calibration:
@@ -162,7 +161,10 @@ class DraftGate:
         with self._lock:
             ratio = self._calibration(tenant).ratio(bucket(draft.match_len), self.config.prior,
                                                    self.config.prior_ratio)
-            pending = self._pending.setdefault(_key(ctx), [])
+            pending = self._pending.touch(ctx.state_key)
+            if pending is None:
+                pending = []
+                self._pending.put(ctx.state_key, pending)
             pending.append(_Pending(len(ctx.tokens), draft, tenant))
             del pending[: -self.config.max_pending]
         k = self.length(draft, len(ctx.tokens), ratio)
@@ -173,7 +175,7 @@ class DraftGate:
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Label the request's drafts the committed tokens now decide."""
         with self._lock:
-            pending = self._pending.get(_key(ctx))
+            pending = self._pending.get(ctx.state_key)
             if not pending:
                 return
             tokens = ctx.tokens
@@ -187,16 +189,11 @@ class DraftGate:
                                                   p.draft.score, self.config.decay)
             pending[:] = keep
 
-    def end_request(self, request_id: object) -> None:
-        """Drop a finished (or abandoned) request's unlabelled drafts."""
-        with self._lock:
-            self._pending.pop(request_id, None)
+    def end_request(self, request_id: str | None, session: SessionRef | None = None) -> None:
+        """Drop a request's unlabelled drafts (the engine's end of a request drops them
+        with the rest of its state: :mod:`agentspec.requests`)."""
+        self._pending.pop(state_key(request_id, session))
 
     def finish(self, ctx: DraftContext) -> None:
-        """:meth:`end_request` for the request of ``ctx`` (a drafter's end of request)."""
-        self.end_request(_key(ctx))
-
-
-def _key(ctx: DraftContext) -> object:
-    """A request's key: its id (the engine always sets one), else its drafter state key."""
-    return ctx.request_id if ctx.request_id is not None else ctx.state_key
+        """Drop the request's unlabelled drafts (a drafter's end of request)."""
+        self._pending.pop(ctx.state_key)

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,14 +47,14 @@ from agentspec.errors import ConfigError
 from agentspec.interfaces import Drafter, FeatureDrafter, RequestAware
 from agentspec.lru import LRU
 from agentspec.payoff.features import TokenTable, features
+from agentspec.payoff.labels import ShadowLabels
 from agentspec.payoff.policy import CACHE, MODEL, NONE, SourcePolicy
+from agentspec.requests import REQUESTS, Slot
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
 __all__ = ["HybridDrafter"]
 
 _RECENT_KEEP = 16  # steps of (draft_len, accepted) kept for the features
-_SHADOW_KEEP = 64  # cache drafts waiting for their full-length label
-_MAX_REQUESTS = 256  # live requests kept (requests that never finish age out)
 
 
 @dataclass
@@ -67,17 +66,15 @@ class _Request:
         recent: ``(draft_len, accepted)`` of its latest steps (the features read them).
         pending: ``(source, draft_len, draft_s)`` of the step drafted, not yet verified.
         last_source: The previous step's source.
-        shadow: ``(start, full cache draft, raw ŷ, its score)`` of recent steps, labelled
-            from later tokens (:meth:`~agentspec.types.Draft.followed_length`: a tree's
-            label is its longest followed root path).
+        shadow: The cache drafts of recent steps waiting for their full-length label
+            (:class:`~agentspec.payoff.labels.ShadowLabels`).
     """
 
     policy: SourcePolicy
     recent: list[tuple[int, int]] = field(default_factory=list)
     pending: tuple[str, int, float] | None = None
     last_source: str = NONE
-    shadow: deque[tuple[int, Draft, float, float]] = field(
-        default_factory=lambda: deque(maxlen=_SHADOW_KEEP))
+    shadow: ShadowLabels = field(default_factory=ShadowLabels)
 
 
 class HybridDrafter:
@@ -134,7 +131,7 @@ class HybridDrafter:
         self.max_tenants = max_tenants
         self.gate = gate
         self._policies: LRU[str, SourcePolicy] = LRU(max_tenants)  # tenant -> policy
-        self._requests: LRU[Hashable, _Request] = LRU(_MAX_REQUESTS)
+        self._requests: Slot[_Request] = REQUESTS.slot("hybrid")
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
         self.last_choice: Any = None
 
@@ -166,7 +163,7 @@ class HybridDrafter:
         choice = req.policy.choose(cache, model_len, phi, len(ctx.tokens))
         self.last_choice = choice
         if cache.tokens and math.isfinite(choice.raw):
-            req.shadow.append((len(ctx.tokens), cache, choice.raw, choice.score))
+            req.shadow.add(len(ctx.tokens), cache, choice.raw, choice.score)
         source = choice.source
         if source == CACHE and gate_len == 0:
             source = NONE  # the gate: plain decoding commits more per second here
@@ -205,24 +202,11 @@ class HybridDrafter:
             del req.recent[:-_RECENT_KEEP]
             req.policy.update(source, k, result.num_accepted, draft_s)
             req.pending = None
-        self._label_shadows(req, ctx, result)
-
-    @staticmethod
-    def _label_shadows(req: _Request, ctx: DraftContext, result: VerifyResult) -> None:
-        """Give the policy the full-length accepted length of every earlier cache draft
-        whose continuation is now committed (verified or not: a cut draft or a step the
-        model won still says how good the cache draft was)."""
-        if not req.shadow:
-            return
-        base = req.shadow[0][0]
-        committed = list(ctx.tokens[base:]) + list(result.tokens)  # from the oldest start
-        while req.shadow:
-            start, draft, raw, score = req.shadow[0]
-            label = draft.followed_length(committed[start - base:])
-            if label is None:  # drafts start in order: later ones are not due either
-                break
-            req.shadow.popleft()
-            req.policy.outcome(raw, label, score, len(draft.tokens))
+        # The full-length label of every earlier cache draft whose continuation is now
+        # committed (verified or not: a cut draft or a step the model won still says how
+        # good the cache draft was).
+        if req.shadow:
+            req.shadow.label(req.policy.outcome, ctx.tokens, result.tokens)
 
     def finish(self, ctx: DraftContext) -> None:
         """Forward to both sub-drafters; the request's state ends (unlabelled cache drafts

@@ -7,7 +7,12 @@
   session-level split, τ selection and quality numbers;
 * :mod:`~agentspec.training.payoff_fit` — the training pipeline behind ``train-predictor``;
 * :mod:`~agentspec.payoff.policy` — source policies (cost-aware, threshold, ArcticRule);
-* :mod:`~agentspec.payoff.defaults` — the shipped predictor and ``build_hybrid``.
+* :mod:`~agentspec.payoff.labels` — a cache draft's full-length label once the committed
+  tokens decide it (HVD in-process and the vLLM payoff gate);
+* :mod:`~agentspec.payoff.estimators` — the decayed ratios the draft gate and the session
+  cache's levels calibrate with;
+* :mod:`~agentspec.payoff.defaults` — the shipped predictor, the token table, policies by name.
 
-The drafter itself is :class:`agentspec.drafters.hybrid.HybridDrafter`.
+The drafter itself is :class:`agentspec.drafters.hybrid.HybridDrafter`, built by
+:mod:`agentspec.drafters.hybrid_build`; the drafters import this package, never the reverse.
 """

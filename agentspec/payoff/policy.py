@@ -22,8 +22,8 @@ Acceptance models. Greedy acceptance stops at the first miss, so E[min(accepted,
   accepted tokens plus first misses, a Beta-style prior and exponential forgetting).
 * The cache draft: copy runs are bursty, not geometric. A long match is either refuted
   within a few tokens (the copied text diverged) or accepted to its end (the model re-emits
-  the document), so a single rate undervalues the tail and truncates relay drafts hard
-  (measured: 0.82× ``suffix`` on the relay with the geometric model). The cache draft's
+  the document), so a single rate undervalues the tail and truncates long copy drafts
+  hard (on copying workloads a geometric model lost to the ungated cache). The cache draft's
   model is a mixture: with probability q the whole draft of length n is right, otherwise
   acceptance is geometric with the *refuted-draft* rate β,
 
@@ -35,24 +35,24 @@ Acceptance models. Greedy acceptance stops at the first miss, so E[min(accepted,
   q = 0 with a geometric rate solved from ŷ instead (the two agree at ŷ = G_n(β)).
 
 Online calibration. The predictor is trained offline on a few dozen sessions, so on a new
-workload it can be off by a factor (measured: it underrated the relay's copies, and cut
-them). The policy therefore keeps a calibration factor r = Σ y / Σ ŷ over recent cache
-drafts and uses r·ŷ, where y is the draft's *full-length* accepted length — the label the
-predictor was trained on. Verification only shows y censored at the verified length (a cut
-draft that is wholly accepted says "y ≥ k"), and nothing at all when the model drafted
-instead, so :class:`~agentspec.drafters.hybrid.HybridDrafter` recovers y from the tokens
-committed in the following steps (the label trace replay computes offline) and reports it
-through :meth:`CostAwarePolicy.outcome`. Decayed sums with a prior of r = 1: this is
+workload it can be off by a factor (it can underrate long copies, and cut them). The policy
+therefore keeps a calibration factor r = Σ y / Σ ŷ over recent cache drafts and uses r·ŷ,
+where y is the draft's *full-length* accepted length — the label the predictor was trained
+on. Verification only shows y censored at the verified length (a cut draft that is wholly
+accepted says "y ≥ k"), and nothing at all when the model drafted instead, so
+:class:`~agentspec.drafters.hybrid.HybridDrafter` recovers y from the tokens committed in
+the following steps (the label trace replay computes offline) and reports it through
+:meth:`CostAwarePolicy.outcome`. Decayed sums with a prior of r = 1: this is
 calibration-in-the-large per policy instance; the predictor still ranks drafts, r fixes its
 scale on the traffic at hand.
 
 Fallback to the cache's own score. On a workload unlike its training data the predictor
-can rank drafts badly, which no scale factor fixes (measured on DELEGATE-52 domains it
-never saw: 9.54 accepted tokens per step against the ungated cache's 13.39). The suffix
+can rank drafts badly, which no scale factor fixes (on document domains it never saw it
+accepted clearly less per step than the ungated cache; ``docs/hvd.md``). The suffix
 index's score (the sum of its path probabilities) is a second estimate of the same y, the
 one the ungated cache effectively trusts. Both are calibrated the same way. A smaller
-error in y is not what matters (measured: the predictor often erred less, yet its cuts
-lost tokens); the decisions are. A full-length label y tells what *any* cut of the draft
+error in y is not what matters (an estimate can err less on average and still cut the
+wrong drafts); the decisions are. A full-length label y tells what *any* cut of the draft
 would have committed (min(y, k) + 1 tokens in c(k + 1) seconds; plain decoding: 1 in
 c(1)), so every labelled draft scores both estimates' decisions counterfactually, before
 either calibration moves, and so is a third rule, verifying every cache draft whole (the
@@ -239,7 +239,11 @@ class _RateEstimate:
 
 class _Calibrated:
     """One estimate x of a cache draft's full-length accepted length y, calibrated online:
-    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1)."""
+    r = Σ y / Σ x over recent outcomes (decayed sums relaxing to the prior r = 1).
+
+    In exact arithmetic this is :class:`~agentspec.payoff.estimators.DecayedRatios`' ratio
+    at r₀ = 1, but the prior enters every update here (S ← d·S + x + (1 − d)·P) and the
+    ratio is clipped, so the floating-point numbers differ: it keeps its own formula."""
 
     def __init__(self, prior: float, decay: float) -> None:
         self.prior, self.decay = prior, decay
@@ -498,9 +502,8 @@ class CostAwarePolicy:
                                   self.model_token_s)
             if options[-1][1].source == CACHE and options[-1][1].length > 0:
                 # Displacing a cache draft that would be verified needs the same edge as a
-                # cut (``gate_margin``): the model's rate is an estimate too. On relay
-                # domains it never saw, 2 of 444 steps displaced a cache draft this way;
-                # EAGLE accepted 0 of 2 on both, and one lost the cache draft's token.
+                # cut (``gate_margin``): the model's rate is an estimate too, and a model
+                # draft that only ties can displace a cache draft that would commit more.
                 rate /= 1.0 + self.gate_margin
             options.append((rate, Choice(MODEL, k, y)))
         # max keeps the first of equal rates: none < cache < model in list order, so ties

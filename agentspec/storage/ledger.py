@@ -117,7 +117,7 @@ class RegretLedger:
 
     def get(self, session: SessionRef) -> LedgerEntry:
         """The totals of ``session``'s account (zeros if it has none)."""
-        row = self._run(lambda c: c.execute(_SELECT, _key(session)).fetchone(), write=False)
+        row = self._run(lambda c: c.execute(_SELECT, _session_key(session)).fetchone(), write=False)
         return LedgerEntry(float(row[0]), int(row[1]), int(row[2])) if row else LedgerEntry()
 
     def charge(
@@ -135,8 +135,8 @@ class RegretLedger:
             )
 
         def upsert(c: sqlite3.Connection) -> tuple[float, int, int]:
-            c.execute(_UPSERT, (*_key(session), regret, exceptions, requests, time.time()))
-            row: tuple[float, int, int] = c.execute(_SELECT, _key(session)).fetchone()
+            c.execute(_UPSERT, (*_session_key(session), regret, exceptions, requests, time.time()))
+            row: tuple[float, int, int] = c.execute(_SELECT, _session_key(session)).fetchone()
             return row
 
         row = self._run(upsert, write=True)
@@ -151,7 +151,7 @@ class RegretLedger:
         self._run(
             lambda c: c.execute(
                 "DELETE FROM ledger WHERE tenant = ? AND agent = ? AND session = ?",
-                _key(session),
+                _session_key(session),
             ),
             write=True,
         )
@@ -179,5 +179,5 @@ class RegretLedger:
         return self._db.run(fn, txn=write)
 
 
-def _key(session: SessionRef) -> tuple[str, str, str]:
+def _session_key(session: SessionRef) -> tuple[str, str, str]:
     return (session.tenant, session.agent, session.session_id)

@@ -193,7 +193,7 @@ def persist_turn(store: TurnStore, ref: SessionRef, tokens: Sequence[int]) -> bo
     return True
 
 
-def _key(ref: SessionRef) -> _Key:
+def _session_key(ref: SessionRef) -> _Key:
     # Re-check the ids: refs may be duck-typed, and ids end up in operators' CLI output.
     tenant, agent = getattr(ref, "tenant", None), getattr(ref, "agent", None)
     session = getattr(ref, "session_id", None)
@@ -270,7 +270,7 @@ class SessionStore:
         Raises:
             StoreCorruptError: A turn fails its checksum (strict mode only).
         """
-        key = _key(ref)
+        key = _session_key(ref)
         found = self._db.run(lambda conn: self._rows(conn, key, touch=True))
         return [] if found is None else self._decode(key, found[1])[0]
 
@@ -281,7 +281,7 @@ class SessionStore:
             ConfigError: A token id is not an int in ``[0, 2**31)``.
             SessionTooLargeError: A token limit would be exceeded; nothing is written.
         """
-        key, data = _key(ref), _pack(tokens)
+        key, data = _session_key(ref), _pack(tokens)
         n, crc, cfg = len(data) // 4, zlib.crc32(data), self.config
         if cfg.max_tokens_per_turn is not None and n > cfg.max_tokens_per_turn:
             raise SessionTooLargeError(
@@ -329,7 +329,7 @@ class SessionStore:
 
     def info(self, ref: SessionRef) -> SessionInfo:
         """One session's summary. Raises :class:`UnknownSessionError` if it is not stored."""
-        key = _key(ref)
+        key = _session_key(ref)
         row = self._db.run(lambda conn: self._find(conn, key), txn=False)
         if row is None:
             raise self._unknown(key)
@@ -337,7 +337,7 @@ class SessionStore:
 
     def delete(self, ref: SessionRef) -> None:
         """Delete a session and its turns. Raises :class:`UnknownSessionError` if absent."""
-        key = _key(ref)
+        key = _session_key(ref)
 
         def drop(conn: sqlite3.Connection) -> None:
             row = self._find(conn, key)
@@ -358,7 +358,7 @@ class SessionStore:
             UnknownSessionError: The session is not stored.
             StoreCorruptError: A turn fails its checksum (strict mode only).
         """
-        key = _key(ref)
+        key = _session_key(ref)
         found = self._db.run(lambda conn: self._rows(conn, key, touch=False))
         if found is None:
             raise self._unknown(key)

@@ -8,8 +8,7 @@ decoding adds has a mask and several queries: verifying a draft (causal over the
 tokens, full over the cache), a draft tree (tree attention) and the part of a prompt fed
 after reused prefix KV. There transformers first copies keys and values once per query
 head (``repeat_kv``: ~3x the cache, per layer, per forward), and at long contexts that copy
-costs more than the attention itself: 33 queries over 4k cached positions take 5.2 ms per
-layer with the copy and 3.7 ms without on 2 CPU cores; 8 queries over 8k, 23 ms and 2.6 ms.
+can cost more than the attention itself (``docs/prefix-cache.md``).
 
 :func:`install` registers ``"agentspec_sdpa"``: the same SDPA kernel with ``enable_gqa``
 for those forwards and transformers' own function for everything else. PyTorch's CPU

@@ -113,7 +113,7 @@ class FeatureLog:
         return self._buf[:end]
 
 
-def check_rows(rows: object, dtype: torch.dtype, n: int,
+def check_feature_rows(rows: object, dtype: torch.dtype, n: int,
                width: int | None) -> torch.Tensor | None:
     """A block's feature rows as read from disk, checked: ``None`` stays ``None`` (a file
     written without rows); anything else must be ``[n, H]`` in the keys' ``dtype``, with

@@ -53,8 +53,8 @@ class CostCurves:
     Args:
         name: The model's name (progress lines).
         key: The file's name: model (name and a fingerprint of its weights, see
-            :mod:`agentspec.targets.fingerprint`), dtype, device and machine (``HFTarget``
-            builds it).
+            :mod:`agentspec.targets.fingerprint`), dtype, device and machine
+            (:func:`agentspec.targets.cost_meter.cost_key`).
         max_positions: The model's window (it decides which contexts are measured).
         probe: The target's timing of one forward per draft length.
         forms: The model's product forms (``None``: the model has none to choose, e.g. on

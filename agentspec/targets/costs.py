@@ -6,16 +6,16 @@ same for any context) and attends each new token to the whole cache: ~4·d·L·l
 FLOPs per token (d = 576, 30 layers on SmolLM2-135M: ~480 MFLOP per token at 7k positions,
 against ~270 for all the weights). At short contexts c(k) grows slowly with k, so a draft
 that is mostly wrong costs little; at long ones every verified draft token pays attention
-over the whole cache, hit or miss. Measured on 2 CPU cores (SmolLM2-135M, fp32):
-c(33)/c(1) = 116/42 ms = 2.8 at 500 positions and 282/75 ms = 3.8 at 8,000. A gate that
-prices drafts with the short-context curve verifies too much at long contexts.
+over the whole cache, hit or miss, so c(33)/c(1) itself grows with L
+(``docs/draft-cost.md``). A gate that prices drafts with the short-context curve verifies
+too much at long contexts.
 
 The curves: c(k) measured at :data:`SHORT_CONTEXT` positions (the curve HVD has always
 used) and, for :func:`at_context`, at one long context. Between measured k the cost is
 interpolated linearly, beyond the last k extrapolated along the last slope (never falling:
 timing noise can measure c(32) below c(24)). Between the two contexts the cost is
 interpolated linearly in L, and beyond the long one extrapolated along the same line: the
-attention term is linear in L (measured it grows a little faster past ~6k positions, as
+attention term is linear in L (in practice it grows a little faster at long contexts, as
 the cache leaves the CPU's caches; the gate compares rates at one L, where a common
 underestimate mostly cancels).
 """

@@ -59,7 +59,7 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.models import agentspec_home, private_dir
-from agentspec.targets.block_features import check_rows
+from agentspec.targets.block_features import check_feature_rows
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class KVSpill:
                 raise ValueError("tokens differ")
             cpu_kv = [(k, v) for k, v in block["kv"]]
             layout = self._check(cpu_kv, len(tokens))
-            rows = check_rows(block.get("features"), cpu_kv[0][0].dtype, len(tokens),
+            rows = check_feature_rows(block.get("features"), cpu_kv[0][0].dtype, len(tokens),
                               self.feature_width)
         except Exception as exc:
             self.rejected += 1

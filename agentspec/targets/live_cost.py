@@ -10,18 +10,17 @@ plain steps they replace. The tracker keeps, per cell (thread count, row bucket,
 bucket), a decayed geometric mean of observed / prior seconds, so the prior curve's shape is
 kept where nothing has been observed and replaced by the machine's behaviour where it has.
 
-Threads. Each forward may run with the process's thread count ``T`` or with one thread:
-when another process takes one of two cores, every parallel region of a ``T``-thread forward
+Threads. Each forward may run with the process's thread count ``T`` or with one thread: when
+another process takes one of two cores, every parallel region of a ``T``-thread forward
 waits for the descheduled thread, and one thread is then the faster choice, for one-row
-steps as much as for verifies (a one-row Qwen step measured ~1 s with two threads beside a
-one-thread matmul loop, against ~80 ms quiet). The tracker picks the cheaper estimate per
+steps as much as for verifies (beside a busy process a two-thread one-row step can take many
+times its quiet time; ``docs/draft-cost.md``). The tracker picks the cheaper estimate per
 cell and re-tries the other whenever its evidence has aged out (``explore_after`` seconds),
 so it follows the load as it comes and goes. A one-row forward gives the same bits with one
-thread or ``T`` (measured and tested on both shipped models, 9-4,000 cached positions; a
-prefill does not), so plain decoding, the reference of every lossless guarantee, is
-unchanged. A verify forward's thread count may change the order of
-its sums in the last bits, as a change of kernel does; outputs are tested token-identical
-as before.
+thread or ``T`` (tested on both shipped models; a prefill does not), so plain decoding, the
+reference of every lossless guarantee, is unchanged. A verify forward's thread count may
+change the order of its sums in the last bits, as a change of kernel does; outputs are
+tested token-identical as before.
 
 Estimates. ``ratio(t, r, c) = exp((w·mean_log + m·log fallback) / (w + m))`` with ``w`` the
 cell's decayed weight (half-life ``half_life`` seconds of wall time), ``m`` pseudo

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError
+from agentspec.lru import LRU
 from agentspec.targets.kv_spill import KVSpill
 
 #: Tokens per block: 16 is vLLM's default; a prompt reuses its longest shared prefix
@@ -142,8 +142,10 @@ class PrefixCache:
             raise ConfigError(f"prefix cache block size must be >= 1, got {block_size}")
         self.budget_bytes = budget_bytes
         self.block_size = block_size
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # LRU order: oldest first
-        self._scopes: dict[str, OrderedDict[bytes, None]] = {}  # each scope's, LRU order
+        # Recency order, oldest first (no bound of their own: _make_room evicts by bytes
+        # with a fair share per scope).
+        self._blocks: LRU[bytes, _Block] = LRU()
+        self._scopes: dict[str, LRU[bytes, None]] = {}  # each scope's blocks
         self._scope_bytes: dict[str, int] = {}  # only scopes holding blocks
         self.bytes_used = 0
         self.stats = PrefixCacheStats()
@@ -323,20 +325,21 @@ class PrefixCache:
             self.spill.save(key, blk.tokens, blk.kv, rows, replace=True)
 
     def _add(self, key: bytes, blk: _Block) -> None:
-        self._blocks[key] = blk
-        self._scopes.setdefault(blk.scope, OrderedDict())[key] = None
+        self._blocks.put(key, blk)
+        self._scopes.setdefault(blk.scope, LRU()).put(key, None)
         self._scope_bytes[blk.scope] = self._scope_bytes.get(blk.scope, 0) + blk.nbytes
         self.bytes_used += blk.nbytes
 
     def _touch(self, key: bytes) -> None:
-        self._blocks.move_to_end(key)
-        self._scopes[self._blocks[key].scope].move_to_end(key)
+        self._blocks.touch(key)
+        self._scopes[self._blocks[key].scope].touch(key)
 
     def _drop(self, key: bytes) -> None:
-        blk = self._blocks.pop(key)
+        blk = self._blocks[key]
+        self._blocks.pop(key)
         lru = self._scopes[blk.scope]
-        del lru[key]
-        if lru:
+        lru.pop(key)
+        if len(lru):
             self._scope_bytes[blk.scope] -= blk.nbytes
         else:
             del self._scopes[blk.scope], self._scope_bytes[blk.scope]

@@ -215,7 +215,7 @@ def _batch_loss(student: Any, seqs: Sequence[TeacherSeq], remap: torch.Tensor,
     return loss, agree, len(rows)
 
 
-def evaluate(student: Any, seqs: Sequence[TeacherSeq], remap: torch.Tensor,
+def evaluate_student(student: Any, seqs: Sequence[TeacherSeq], remap: torch.Tensor,
              ids: torch.Tensor, cfg: TrainDrafterConfig) -> dict[str, float]:
     """Validation loss and top-1 agreement with the target (the greedy acceptance rate)."""
     if not seqs:
@@ -280,7 +280,7 @@ def train_student(
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     probe = train[:64]  # a fixed slice of the training set: is the loop learning at all?
-    before, fit_before = (evaluate(student, part, remap, ids, cfg) for part in (val, probe))
+    before, fit_before = (evaluate_student(student, part, remap, ids, cfg) for part in (val, probe))
     t0 = time.monotonic()
     budget = (deadline - t0) if deadline is not None else None
     bar = tqdm(total=cfg.steps, desc="train drafter", unit="step", disable=not progress)
@@ -314,7 +314,7 @@ def train_student(
             continue
         break
     bar.close()
-    after, fit_after = (evaluate(student, part, remap, ids, cfg) for part in (val, probe))
+    after, fit_after = (evaluate_student(student, part, remap, ids, cfg) for part in (val, probe))
     positions = sum(int(s.top_ids.shape[0]) for s in train)
     report = {
         "config": asdict(cfg), "sequences": {"train": len(train), "val": len(val)},

@@ -171,7 +171,7 @@ def _loss(head: EagleHead, g: torch.Tensor, f_next: torch.Tensor, weight: torch.
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, seqs: Sequence[FeatureSeq], full_head: torch.Tensor,
+def evaluate_head(head: EagleHead, seqs: Sequence[FeatureSeq], full_head: torch.Tensor,
              batch_size: int = 8) -> dict[str, float]:
     """Held-out top-1 agreement with the target's argmax at depth 1 and 2 on answer
     positions (the prompt's chat template would flatter it), and the loss.
@@ -219,7 +219,7 @@ def train_head(
     n_val = max(1, int(len(order) * cfg.val_share)) if cfg.val_share > 0 else 0
     val = [data[i] for i in order[:n_val]]
     train = [data[i] for i in order[n_val:]]
-    before = evaluate(head, val, full_head) if val else {}
+    before = evaluate_head(head, val, full_head) if val else {}
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     start = time.monotonic()
@@ -259,7 +259,7 @@ def train_head(
                 break
     bar.close()
     head.eval()
-    after = evaluate(head, val, full_head) if val else {}
+    after = evaluate_head(head, val, full_head) if val else {}
     return {"steps": steps, "epochs": epochs, "train_s": round(time.monotonic() - start, 1),
             "train_sequences": len(train), "val_sequences": len(val),
             "val_before": before, "val_after": after}

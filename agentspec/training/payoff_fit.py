@@ -24,8 +24,8 @@ from agentspec.payoff.predictor import PayoffPredictor
 from agentspec.training.payoff_replay import (
     HIGH_PAYOFF,
     Sample,
-    evaluate,
     pick_tau,
+    prediction_quality,
     replay,
     split_sessions,
 )
@@ -102,7 +102,7 @@ def train_predictor(
     pred = fit_early_stopped(samples, traces.traces, train_ids, cfg)
     p_va = pred.predict_many(x_va)
     pred.tau = pick_tau(p_va, y_va)
-    quality = evaluate(p_va, y_va, pred.tau)
+    quality = prediction_quality(p_va, y_va, pred.tau)
     # Baselines on the same validation rows: the suffix tree's own expected acceptance
     # (its score) as the prediction, and a constant (the training mean).
     score_col = FEATURE_NAMES.index("log_score")
@@ -115,8 +115,9 @@ def train_predictor(
         "rows": {"train": len(x_tr), "validation": len(x_va)},
         "validation": quality.to_dict(),
         "per_workload": {},
-        "baseline_suffix_score": evaluate(score_pred, y_va, pick_tau(score_pred, y_va)).to_dict(),
-        "baseline_mean": evaluate([mean_y] * len(y_va), y_va, mean_y).to_dict(),
+        "baseline_suffix_score": prediction_quality(
+            score_pred, y_va, pick_tau(score_pred, y_va)).to_dict(),
+        "baseline_mean": prediction_quality([mean_y] * len(y_va), y_va, mean_y).to_dict(),
         "config": cfg.__dict__,
         "seconds": 0.0,
     }
@@ -125,7 +126,8 @@ def train_predictor(
     for wl in sorted({s.workload for s in samples}):
         xs, ys = _rows([s for s in samples if s.session_id in val_ids and s.workload == wl])
         if xs:
-            report["per_workload"][wl] = evaluate(pred.predict_many(xs), ys, pred.tau).to_dict()
+            report["per_workload"][wl] = prediction_quality(
+                pred.predict_many(xs), ys, pred.tau).to_dict()
     report["seconds"] = round(time.perf_counter() - t0, 2)
     pred.meta = {
         "model": traces.model,

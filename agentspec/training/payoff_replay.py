@@ -160,7 +160,7 @@ class Quality:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def evaluate(pred: Sequence[float], true: Sequence[int], tau: float) -> Quality:
+def prediction_quality(pred: Sequence[float], true: Sequence[int], tau: float) -> Quality:
     """Regression error and high-payoff precision/recall of predictions ``pred``."""
     n = len(true)
     if n == 0:

@@ -42,9 +42,9 @@ import torch
 
 from agentspec.errors import ConfigError, RequestStateError
 from agentspec.interfaces import Verifier
-from agentspec.lru import LRU
+from agentspec.requests import REQUESTS, Slot
 from agentspec.storage.ledger import RegretLedger
-from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult
+from agentspec.types import Draft, SamplingParams, SessionRef, VerifyResult, state_key
 from agentspec.verifiers.block import BlockVerifier
 from agentspec.verifiers.keyed import KeyedVerifier
 from agentspec.verifiers.rejection import check_rows
@@ -52,7 +52,6 @@ from agentspec.verifiers.rejection import check_rows
 __all__ = ["AsdOutcome", "BudgetAccount", "BudgetConfig", "BudgetedVerifier", "asd_accept"]
 
 BudgetScope = Literal["request", "session"]
-_MAX_REQUESTS = 256  # live accounts kept (requests that never end age out)
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,9 @@ class BudgetedVerifier:
         self.config = config or BudgetConfig()
         self.ledger = ledger
         self.sampler: Verifier = sampler or KeyedVerifier(BlockVerifier())
-        self._accounts: LRU[str | None, BudgetAccount] = LRU(_MAX_REQUESTS)
+        # Each live request's account, in the one home of per-request state (the engine's
+        # end of a request drops it with the rest; the ledger already holds its charges).
+        self._accounts: Slot[BudgetAccount] = REQUESTS.slot("budgeted")
 
     def begin_request(
         self, session: SessionRef | None, rng: torch.Generator | None = None,
@@ -196,7 +197,7 @@ class BudgetedVerifier:
         Raises:
             RequestStateError: ``request_id`` names a request that has not ended.
         """
-        if request_id is not None and request_id in self._accounts:
+        if request_id is not None and state_key(request_id) in self._accounts:
             raise RequestStateError(
                 f"BudgetedVerifier: request {request_id!r} was begun twice; end it first")
         account = BudgetAccount(session, self.config.budget)
@@ -204,7 +205,7 @@ class BudgetedVerifier:
             entry = self.ledger.count_request(session)
             if self.config.scope == "session":
                 account.spent = entry.regret
-        self._accounts.put(request_id, account)  # requests that never ended age out
+        self._accounts.put(state_key(request_id), account)
 
     def end_request(self, request_id: str | None) -> None:
         """Release the account of ``request_id`` (the engine calls this when the request
@@ -213,7 +214,7 @@ class BudgetedVerifier:
         Raises:
             RequestStateError: no live request has that id.
         """
-        if self._accounts.pop(request_id) is None:
+        if self._accounts.pop(state_key(request_id)) is None:
             raise RequestStateError(
                 f"BudgetedVerifier: cannot end request {request_id!r}: it was never begun "
                 "or has already ended")
@@ -224,7 +225,7 @@ class BudgetedVerifier:
         Raises:
             RequestStateError: no live request has that id.
         """
-        account = self._accounts.get(request_id)
+        account = self._accounts.get(state_key(request_id))
         if account is None:
             raise RequestStateError(
                 f"BudgetedVerifier: no live request {request_id!r}; call "

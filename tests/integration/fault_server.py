@@ -13,9 +13,8 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
@@ -23,6 +22,9 @@ import uvicorn
 from server_fakes import FakeRuntime
 
 from adapters.openai_server import ServerConfig, create_app
+from agentspec.chat.api import ChatResult
+from agentspec.chat.stream import ResultStream
+from agentspec.chat.turn import ChatTurn
 from agentspec.storage.sessions import SessionStore
 
 DELTA_S = 0.004  # per 3-character delta: a 300-character reply streams for ~0.4 s
@@ -31,10 +33,12 @@ DELTA_S = 0.004  # per 3-character delta: a 300-character reply streams for ~0.4
 class SlowRuntime(FakeRuntime):
     """FakeRuntime whose deltas take a little time, as a model's do."""
 
-    def stream_chat(self, *args: Any, **kwargs: Any) -> Iterator[str]:
-        for delta in super().stream_chat(*args, **kwargs):
+    def _steps(self, turn: ChatTurn) -> Generator[str, None, ChatResult]:
+        reply = ResultStream(super()._steps(turn))
+        for delta in reply:
             time.sleep(DELTA_S)
             yield delta
+        return reply.result
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentspec.chat.stream import ResultStream
 from agentspec.chat.templates import render_prompt
 from agentspec.drafters import OracleDrafter, PromptLookupDrafter, SuffixDrafter
 from agentspec.drafters.suffix.drafter import SuffixConfig
@@ -50,7 +51,7 @@ _HVD: dict[int, tuple[object, ...]] = {}
 def _hvd_drafters(target: HFTarget) -> tuple[object, ...]:
     """The shipped EAGLE head alone and HVD (cache + EAGLE + cost-aware policy), built once."""
     if id(target) not in _HVD:
-        from agentspec.payoff.defaults import build_hybrid, load_model_drafter
+        from agentspec.drafters.hybrid_build import build_hybrid, load_model_drafter
 
         _HVD[id(target)] = (load_model_drafter(target, max_tokens=4), build_hybrid(target))
     return _HVD[id(target)]
@@ -109,10 +110,10 @@ def test_stream_and_stop_on_embedded_model(embedded_target: HFTarget) -> None:
     stop = ref_text.split("\n")[1][:3] if "\n" in ref_text else ref_text[5:8]
     engine = SpeculativeDecoder(embedded_target, PromptLookupDrafter(), decode=decode,
                                 eos_token_ids=[tok.eos_token_id])
-    result: list = []
-    text = "".join(engine.stream(prompt, 60, stop=[stop], result=result))
+    stream = ResultStream(engine.stream(prompt, 60, stop=[stop]))
+    text = "".join(stream)
     assert text == ref_text[: ref_text.find(stop)]
-    assert result[0].finish_reason == "stop"
+    assert stream.result.finish_reason == "stop"
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
@@ -163,7 +164,7 @@ def test_cli_bench_end_to_end(tmp_path: Path) -> None:
 
 
 def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -> None:
-    from workflows.bench.interleaved import Part, format_table, parse_mix, run
+    from workflows.bench.interleaved import Part, interleaved_table, parse_mix, run
 
     report = run(["prompt_lookup", "suffix", "oracle"], [Part("smoke", 1, 2)],
                  progress=False, target=embedded_target)
@@ -178,7 +179,7 @@ def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -
     ratio = report["pooled_ratios"]["prompt_lookup_over_suffix"]
     assert ratio == pytest.approx(pooled["prompt_lookup"]["tokens_per_s"]
                                   / pooled["suffix"]["tokens_per_s"], rel=1e-3)
-    assert "prompt_lookup / suffix pooled" in format_table(report)
+    assert "prompt_lookup / suffix pooled" in interleaved_table(report)
     assert parse_mix("delegate52:5x4, chat:3x2") == [Part("delegate52", 5, 4),
                                                       Part("chat", 3, 2)]
     for bad in ("delegate52", "chat:0x2", "chat:3y2", ""):

@@ -138,14 +138,14 @@ def test_sessions_warm_up_and_tenants_are_isolated(server: ServerThread, runtime
     # meet the same prices and any difference between them could only come from Carol.
     target = runtime.target
     live = target.live_cost
-    target._live = LiveCost(live.prior, live.threads, LiveCostConfig(learn=False),
+    target.meter.live = LiveCost(live.prior, live.threads, LiveCostConfig(learn=False),
                             measured=live.measured)
     try:
         carol_cold, c1 = ask("key-carol")
         carol_warm, c2 = ask("key-carol")
         dave_cold, d1 = ask("key-dave")
     finally:
-        target._live = live
+        target.meter.live = live
     assert carol_cold == carol_warm == dave_cold
     # Carol's second turn drafts her first from the cache: far fewer forwards.
     assert c2["forwards"] < c1["forwards"]

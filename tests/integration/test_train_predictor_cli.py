@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_train_predictor_cli_end_to_end(embedded_target: HFTarget, tmp_path: Path) -> None:
-    from agentspec.payoff.defaults import build_hybrid
+    from agentspec.drafters.hybrid_build import build_hybrid
 
     out, report, traces = tmp_path / "p.json", tmp_path / "r.json", tmp_path / "t.jsonl"
     proc = subprocess.run(

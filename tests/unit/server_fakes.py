@@ -1,7 +1,8 @@
 """A scripted stand-in for :class:`agentspec.runtime.Runtime` for the server's unit tests.
 
-It has the runtime's ``stream_chat`` signature and behaviour (deltas, a final ChatResult,
-tool-call parsing, errors raised on the first ``next``) without loading a model. Replies:
+It has the runtime's ``stream_turn`` signature and behaviour (deltas, then a final
+ChatResult as the stream's ``result``, tool-call parsing, errors raised on the first
+``next``) without loading a model. Replies:
 
 * ``CALL <name> <json>``: a well-formed tool call;
 * ``BAD``: a malformed tool call;
@@ -22,17 +23,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from agentspec.chat.api import ChatResult
 from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.stream import ResultStream
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import Cancelled, ConfigError, PromptTooLongError
 from agentspec.spec import AgentSpec
 from agentspec.storage.health import CountingStore
 from agentspec.storage.sessions import persist_turn
-from agentspec.types import RequestStats, SessionRef, StepStats
+from agentspec.types import RequestStats, StepStats
 
 
 class FakeTarget:
@@ -79,23 +82,15 @@ class FakeRuntime:
             return '<tool_call>{"name": "get_weather", "arguments": {"city": '
         return f"You said: {last}"
 
-    def stream_chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]] | None = None,
-        *,
-        tool_choice: Any = None,
-        session: SessionRef | None = None,
-        spec: AgentSpec | None = None,
-        max_tokens: int = 256,
-        stop: Sequence[str] = (),
-        sampling: Any = None,
-        result: list[ChatResult] | None = None,
-        response_format: Any = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[str]:
-        """Yield the reply in 3-character deltas; append the ChatResult to ``result``."""
-        spec = spec or self.default_spec
+    def stream_turn(self, turn: ChatTurn) -> ResultStream[ChatResult]:
+        """The reply in 3-character deltas, then the ChatResult (the stream's ``result``)."""
+        return ResultStream(self._steps(turn))
+
+    def _steps(self, turn: ChatTurn) -> Generator[str, None, ChatResult]:
+        messages, tools, tool_choice = turn.messages, turn.tools, turn.tool_choice
+        session, max_tokens, stop = turn.session, turn.max_tokens, turn.stop
+        response_format, cancel = turn.response_format, turn.cancel
+        spec = turn.spec or self.default_spec
         self.calls.append({"messages": list(messages), "tools": tools, "session": session,
                            "tool_choice": tool_choice, "spec": spec, "max_tokens": max_tokens,
                            "stop": list(stop), "response_format": response_format})
@@ -132,7 +127,5 @@ class FakeRuntime:
         # As the runtime: a one-off request is not stored; a failure is counted, not raised.
         if self.turns is not None and session is not None and not session.ephemeral:
             stored = persist_turn(self.turns, session, [ord(c) for c in text])
-        if result is not None:
-            result.append(ChatResult(text, parsed.content, parsed.tool_calls,
-                                     parsed.invalid_tool_calls, finish, 10, len(text), stats,
-                                     list(range(len(text))), stored=stored))
+        return ChatResult(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls,
+                          finish, 10, len(text), stats, list(range(len(text))), stored=stored)

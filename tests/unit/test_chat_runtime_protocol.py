@@ -34,6 +34,8 @@ def test_protocol_declares_tool_format() -> None:
         target = store = default_spec = tokenizer = None
         lock = threading.RLock()
 
+        def stream_turn(self, *a: Any, **k: Any) -> Any: ...
+
         def stream_chat(self, *a: Any, **k: Any) -> Any: ...
 
         def chat(self, *a: Any, **k: Any) -> Any: ...
@@ -45,9 +47,9 @@ def test_protocol_declares_tool_format() -> None:
 
 
 def test_hf_runtime_is_a_chat_runtime_with_the_templates_format() -> None:
-    target = SimpleNamespace(tokenizer=_tokenizer("hermes"))
+    target = SimpleNamespace(tokenizer=_tokenizer("hermes"), lock=threading.RLock())
     rt = Runtime(target)  # type: ignore[arg-type]
-    assert isinstance(rt, ChatRuntime)
+    assert isinstance(rt, ChatRuntime) and rt.lock is target.lock  # the target's lock
     assert isinstance(rt.tool_format, ToolFormat) and rt.tool_format.name == "hermes"
     explicit = Runtime(target, tool_format="fallback")  # type: ignore[arg-type]
     assert explicit.tool_format.name == "fallback"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.cli.train_drafter import read_traces
+from agentspec.cli.train_drafter import read_teacher_traces
 from agentspec.drafters import DistilledDrafter, load_default_drafter
 from agentspec.drafters.model.causal import ModelDrafterConfig
 from agentspec.drafters.model.distilled import describe, load_distilled_drafter
@@ -165,15 +165,16 @@ def test_bad_traces_files_are_refused(tiny_model, tmp_path, content, message) ->
     path = tmp_path / "traces.jsonl"
     path.write_text(content)
     with pytest.raises(TrainingDataError, match=message):
-        read_traces(path, None, "tiny-llama", TINY_VOCAB, tiny_model, 4)
+        read_teacher_traces(path, None, "tiny-llama", TINY_VOCAB, tiny_model, 4)
     with pytest.raises(TrainingDataError, match="does not exist"):
-        read_traces(tmp_path / "missing.jsonl", None, "tiny-llama", TINY_VOCAB, tiny_model, 4)
+        read_teacher_traces(tmp_path / "missing.jsonl", None, "tiny-llama", TINY_VOCAB,
+                            tiny_model, 4)
 
 
 def test_token_traces_become_teacher_sequences(tiny_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "traces.jsonl"
     path.write_text('{"tokens": [5, 6, 7, 8, 9], "prompt_len": 2, "model": "tiny-llama"}\n')
-    (seq,) = read_traces(path, None, "tiny-llama", TINY_VOCAB, tiny_model, 4)
+    (seq,) = read_teacher_traces(path, None, "tiny-llama", TINY_VOCAB, tiny_model, 4)
     assert seq.start == 1 and tuple(seq.top_ids.shape) == (3, 4)
     assert torch.equal(seq.top_ids, _teacher(tiny_model, [5, 6, 7, 8, 9], 1).top_ids[:, :4])
 

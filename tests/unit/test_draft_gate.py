@@ -114,15 +114,41 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     c = ctx(history, "r")
     gate.cut(c, draft)
     gate.observe(c, VerifyResult([7], 0))  # plain step: the label is not known yet
-    assert gate._pending["r"]
+    assert gate._pending.get(("id", "r"))
     later = ctx([*history, 7], "r")
     gate.observe(later, VerifyResult([8, 0], 1))  # 7, 8, then 0: the draft followed 2
-    assert not gate._pending["r"]
+    assert not gate._pending.get(("id", "r"))
     y, s = gate._tenants["t"].sums[bucket(1)]
     assert (y, s) == (2.0, 4.0)
     gate.cut(later, draft)
     gate.end_request("r")
-    assert "r" not in gate._pending
+    assert ("id", "r") not in gate._pending
+
+
+def test_the_gate_and_the_session_cache_calibrate_with_one_formula() -> None:
+    """The gate's per-bucket calibration and the session cache's per-level one are one
+    class (agentspec.payoff.estimators.DecayedRatios): the numbers are bit for bit those of
+    the formula each used to write out, Σ ← Σ·d + v and (Σy + P·r₀) / (Σs + P)."""
+    from agentspec.drafters.gate import _Calibration
+    from agentspec.drafters.suffix.index import Speculation
+    from agentspec.drafters.suffix.levels import Calibration
+
+    rng = random.Random(7)
+    gate, level = _Calibration(), Calibration()
+    y_sum = s_sum = a_sum = c_sum = 0.0
+    for _ in range(500):
+        label, score = rng.randrange(0, 20), rng.uniform(0.0, 12.0)
+        gate.learn(bucket(3), label, score, 0.98)
+        y_sum, s_sum = y_sum * 0.98 + label, s_sum * 0.98 + score
+        assert gate.ratio(bucket(3), 4.0, 0.25) == (y_sum + 4.0 * 0.25) / (s_sum + 4.0)
+        toks = [rng.randrange(5) for _ in range(6)]
+        spec = Speculation(toks, 3, rng.uniform(0.0, 6.0))
+        committed = [rng.randrange(5) for _ in range(6)]
+        level.learn([("session", spec)], committed)
+        n = next((i for i, (a, b) in enumerate(zip(toks, committed, strict=True)) if a != b), 6)
+        a_sum, c_sum = a_sum * 0.99 + n, c_sum * 0.99 + spec.score
+        assert level.ratio("session", 3) == (a_sum + 4.0) / (c_sum + 4.0)
+    assert gate.ratio(bucket(40), 4.0, 0.25) == 0.25 and level.ratio("agent", 3) == 1.0
 
 
 def test_gate_config_is_checked() -> None:
@@ -206,12 +232,12 @@ def test_context_curves_interpolate_in_k_and_context() -> None:
 def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
-    saved = tiny_target.curves, tiny_target._live
+    saved = tiny_target.curves, tiny_target.meter.live
 
     def forget() -> None:  # a new target: nothing read from the cost file yet
         c = tiny_target.curves
         tiny_target.curves = CostCurves(c.name, c.key, 512, c.probe, c.forms)
-        tiny_target._live = None
+        tiny_target.meter.live = None
 
     forget()
     try:
@@ -242,4 +268,4 @@ def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  
         with pytest.raises(AgentSpecError):
             tiny_target.context_cost(0, 10)
     finally:
-        tiny_target.curves, tiny_target._live = saved
+        tiny_target.curves, tiny_target.meter.live = saved

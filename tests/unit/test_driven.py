@@ -7,7 +7,7 @@ import pytest
 from agentspec.cli import console
 from agentspec.errors import BenchmarkError
 from agentspec.types import SessionRef
-from workflows.bench.driven import format_table, run, select_turns, summarize
+from workflows.bench.driven import driven_table, run, select_turns, summarize
 from workflows.replay.logs import ReplaySession, ReplayTurn
 
 
@@ -53,7 +53,7 @@ def test_summary_shares_and_ratios() -> None:
     # Later turns only: plain 12.0 s, suffix+reuse (2.0 + 1.0) / 2 = 1.5 s -> 8x.
     assert s["later_turns_mean_latency_s"] == 1.5
     assert report["later_turns_latency_speedup_vs_plain"]["suffix+reuse_latency_vs_plain"] == 8.0
-    table = format_table(report)
+    table = driven_table(report)
     assert "| default (suffix) | on |" in table and "2.75x" in table and "8.00x" in table
     assert report["baseline"] == "plain" and s["forwards"] == 24
 
@@ -67,7 +67,7 @@ def test_reuse_on_only_compares_against_plain_with_reuse() -> None:
     assert report["baseline"] == "plain+reuse"
     later = report["later_turns_latency_speedup_vs_plain"]
     assert later["suffix+reuse_latency_vs_plain"] == 3.0
-    assert "vs plain + reuse" in format_table(report)
+    assert "vs plain + reuse" in driven_table(report)
 
 
 def test_bad_settings_are_refused_before_loading_a_model() -> None:

@@ -282,7 +282,7 @@ def test_the_budget_counts_feature_rows(tiny_model: Any) -> None:
     assert store is not None and len(store) == 5
     assert store.bytes_used == 5 * (kv_block + row_block)
     assert store.to_dict()["bytes_used"] == store.scope_bytes("t") == store.bytes_used
-    kv = [(layer.keys, layer.values) for layer in target._cache.layers]
+    kv = [(layer.keys, layer.values) for layer in target.kv.cache.layers]
     rows = target.last_features()  # [43, H]
     small = PrefixCache(5 * kv_block, block_size=BLOCK)
     assert small.insert("t", prompt, kv, rows) == 3 and small.bytes_used <= 5 * kv_block

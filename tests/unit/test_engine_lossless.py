@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from agentspec.chat.stream import ResultStream
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.types import Draft, DraftContext, VerifyResult
 from tests.conftest import TINY_VOCAB
@@ -171,10 +172,10 @@ def test_stream_yields_the_same_text(tiny_model, tiny_target, char_decode) -> No
         tiny_target, ScriptedDrafter(_right, ref), decode=char_decode,
         config=EngineConfig(max_draft=6),
     )
-    final: list = []
-    deltas = list(engine.stream(prompt, 50, stop=[stop], result=final))
+    stream = ResultStream(engine.stream(prompt, 50, stop=[stop]))
+    deltas = list(stream)
     assert len(deltas) > 1  # real increments, not one blob at the end
-    assert "".join(deltas) == final[0].text == text[: text.find(stop)]
+    assert "".join(deltas) == stream.result.text == text[: text.find(stop)]
 
 
 def test_max_tokens_one(tiny_model, tiny_target) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from agentspec.drafters import SuffixDrafter
+from agentspec.drafters import SuffixDrafter, hybrid_build
 from agentspec.drafters.hybrid import HybridDrafter
 from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 from agentspec.drafters.multi import IIDDrafts
@@ -48,7 +48,7 @@ def hvd_parts(tiny_model, tiny_target, monkeypatch_module):  # type: ignore[no-u
     draft = ModelDrafter(noisy_copy(tiny_model, seed=5))
     pred = PayoffPredictor([0.0] * NUM_FEATURES, [1.0] * NUM_FEATURES,
                            [([[0.0] * NUM_FEATURES], [3.0])], 6.0)
-    monkeypatch_module.setattr(defaults, "load_model_drafter",
+    monkeypatch_module.setattr(hybrid_build, "load_model_drafter",
                                lambda target, model=None, max_tokens=6: draft)
     monkeypatch_module.setattr(defaults, "load_predictor", lambda target, path=None: pred)
     return draft

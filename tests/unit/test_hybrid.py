@@ -231,8 +231,9 @@ def test_cut_and_unverified_cache_drafts_get_their_full_length_label(tiny_target
             before = len(req.shadow) if req is not None and ctx.step else 0
             draft = super().propose(ctx, max_tokens)
             shadow = self._requests[ctx.state_key].shadow
-            if len(shadow) > before or (shadow and shadow[-1][0] == len(ctx.tokens)):
-                self.shadows.append(shadow[-1])
+            latest = shadow.latest
+            if latest is not None and (len(shadow) > before or latest[0] == len(ctx.tokens)):
+                self.shadows.append(latest)
             return draft
 
     policy = CutEverything()

@@ -27,8 +27,9 @@ class _StockTarget(HFTarget):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.model.set_attn_implementation("sdpa")
+        self.kv.cache_factory = self._stock_cache
 
-    def _new_cache(self) -> Any:
+    def _stock_cache(self) -> Any:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)

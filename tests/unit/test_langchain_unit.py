@@ -7,7 +7,7 @@ import asyncio
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,8 +35,10 @@ from adapters.langchain import runtimes as runtimes_mod
 from adapters.langchain.messages import VisibleText
 from agentspec.chat.api import ChatResult
 from agentspec.chat.formats.fallback import FallbackFormat
+from agentspec.chat.stream import ResultStream
 from agentspec.chat.templates import normalise_messages
 from agentspec.chat.tool_calls import parse_tool_calls, tool_names
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import AgentSpecError, ConfigError, StoreBusyError
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.types import RequestStats, StepStats
@@ -45,7 +47,7 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 
 class FakeRuntime:
-    """Plays back scripted outputs through ``Runtime.stream_chat``'s interface."""
+    """Plays back scripted outputs through ``Runtime.stream_turn``'s interface."""
 
     def __init__(self, *outputs: str, delay: float = 0.0, busy: int = 0) -> None:
         self.outputs, self.delay, self.busy = list(outputs), delay, busy
@@ -53,9 +55,16 @@ class FakeRuntime:
         self.lock = threading.Lock()
         self.tool_format = FallbackFormat()  # the scripted outputs' <tool_call> markup
 
-    def stream_chat(self, messages: Any, tools: Any = None, *, result: list[ChatResult],
-                    **kw: Any) -> Iterator[str]:
-        self.calls.append({"messages": messages, "tools": tools, **kw})
+    def stream_turn(self, turn: ChatTurn) -> ResultStream[ChatResult]:
+        return ResultStream(self._play(turn))
+
+    def _play(self, turn: ChatTurn) -> Generator[str, None, ChatResult]:
+        tools = turn.tools
+        self.calls.append({
+            "messages": turn.messages, "tools": tools, "tool_choice": turn.tool_choice,
+            "session": turn.session, "spec": turn.spec, "max_tokens": turn.max_tokens,
+            "stop": turn.stop, "response_format": turn.response_format,
+        })
         if self.busy:
             self.busy -= 1
             raise StoreBusyError("store is locked")
@@ -69,8 +78,8 @@ class FakeRuntime:
                              forwards=2,
                              steps=[StepStats("suffix", 4, 3, 4, 0.0, 0.0),
                                     StepStats("none", 0, 0, 1, 0.0, 0.0)])
-        result.append(ChatResult(text, parsed.content, parsed.tool_calls,
-                                 parsed.invalid_tool_calls, "stop", 7, 5, stats, [1, 2, 3, 4, 5]))
+        return ChatResult(text, parsed.content, parsed.tool_calls, parsed.invalid_tool_calls,
+                          "stop", 7, 5, stats, [1, 2, 3, 4, 5])
 
 
 def _llm(*outputs: str, **kw: Any) -> tuple[ChatAgentSpec, FakeRuntime]:
@@ -337,7 +346,8 @@ def test_shared_runtime_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) ->
 
     def fake_load(config: Any) -> Any:
         loads.append(config)
-        return SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0))
+        # A target owns its lock: every runtime over it takes that one.
+        return SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0), lock=threading.RLock())
 
     monkeypatch.setattr(runtimes_mod.HFTarget, "load", staticmethod(fake_load))
     monkeypatch.setattr(runtimes_mod, "_TARGETS", {})

@@ -142,7 +142,7 @@ def test_one_thread_verify_forwards_stay_lossless(tiny_model: torch.nn.Module) -
     threads = torch.get_num_threads()
     target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu")
     live = LiveCost(linear_prior, threads=threads)
-    target._live = live
+    target.meter.live = live
     # Two-thread forwards look slow everywhere: every forward, one-row steps included, runs
     # with one thread (when the process has more).
     for k in (1, 2, 4, 8, 16, 32, 64):

@@ -26,8 +26,8 @@ from agentspec.payoff.predictor import PayoffPredictor, PredictorError
 from agentspec.training.payoff_fit import TrainConfig, train_predictor
 from agentspec.training.payoff_replay import (
     common_prefix,
-    evaluate,
     pick_tau,
+    prediction_quality,
     replay_trace,
     split_sessions,
 )
@@ -164,8 +164,8 @@ def test_residual_predictor_corrects_the_suffix_score(tmp_path: Path) -> None:
     pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0)
     assert pred.residual
     as_score = [math.expm1(r[score]) for r in xv]
-    err = evaluate(pred.predict_many(xv), [round(v) for v in yv], 6).mae
-    assert err < 0.4 * evaluate(as_score, [round(v) for v in yv], 6).mae
+    err = prediction_quality(pred.predict_many(xv), [round(v) for v in yv], 6).mae
+    assert err < 0.4 * prediction_quality(as_score, [round(v) for v in yv], 6).mae
     pred.save(tmp_path / "r.json")
     back = PayoffPredictor.load(tmp_path / "r.json")
     assert back.residual and back.predict(xv[0]) == pytest.approx(pred.predict(xv[0]), abs=1e-3)
@@ -176,8 +176,8 @@ def test_predictor_fits_and_round_trips(tmp_path: Path) -> None:
     xv, yv = _synthetic(100, 1)
     pred = PayoffPredictor.fit(x, y, xv, yv, epochs=300, seed=0, residual=False)
     mean = sum(y) / len(y)
-    assert evaluate(pred.predict_many(xv), [round(v) for v in yv], 6).mae < \
-        0.65 * evaluate([mean] * len(yv), [round(v) for v in yv], 6).mae
+    assert prediction_quality(pred.predict_many(xv), [round(v) for v in yv], 6).mae < \
+        0.65 * prediction_quality([mean] * len(yv), [round(v) for v in yv], 6).mae
     pred.tau, pred.meta = 4.5, {"vocab_size": 96}
     path = tmp_path / "p.json"
     pred.save(path)
@@ -199,7 +199,7 @@ def test_pick_tau_and_quality() -> None:
     pred = [0.5, 1.0, 7.0, 8.0, 6.5, 2.0]
     true = [0, 1, 9, 6, 2, 7]
     tau = pick_tau(pred, true)
-    q = evaluate(pred, true, tau)
+    q = prediction_quality(pred, true, tau)
     # F1 is best predicting the top four: 3 of 4 are >= 6 and all three positives are found.
     assert tau == 2.0 and q.precision == pytest.approx(3 / 4) and q.recall == 1.0
 

@@ -308,8 +308,8 @@ def test_a_long_tail_after_reuse_is_fed_in_chunks_with_the_same_logits(
     reusing.prefill(first, scope="chunks")
     prompt = first + [rng.randrange(2, 96) for _ in range(75)]  # 75 new: 5 chunks
     calls: list[int] = []
-    forward = reusing._forward
-    monkeypatch.setattr(reusing, "_forward",
+    forward = reusing.kv.forward
+    monkeypatch.setattr(reusing.kv, "forward",
                         lambda toks, last_only=False: calls.append(len(toks))
                         or forward(toks, last_only))
     got = reusing.prefill(prompt, scope="chunks")

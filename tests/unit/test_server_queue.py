@@ -29,7 +29,8 @@ from adapters.openai_server import ServerConfig, create_app
 from adapters.openai_server.auth import KeyRing
 from adapters.openai_server.errors import APIError
 from adapters.openai_server.metrics import Metrics
-from adapters.openai_server.service import ChatService, Generation, Job
+from adapters.openai_server.service import ChatService, Job, Ticket
+from agentspec.chat.turn import ChatTurn
 from agentspec.spec import AgentSpec
 from agentspec.storage.sessions import SessionStore
 from agentspec.targets.hf import HFTarget
@@ -45,15 +46,15 @@ KEYS = KeyRing.from_mapping({"key-a": "a", "key-b": "b"})
 
 def _job(text: str, tenant: str) -> Job:
     # The tenant rides on the session here; build_job also sets Job.tenant (the API key's).
-    return Job([{"role": "user", "content": text}], None, None,
-               SessionRef(f"s-{tenant}", tenant=tenant), AgentSpec(), 64)
+    return Job(ChatTurn([{"role": "user", "content": text}], None, None,
+                        SessionRef(f"s-{tenant}", tenant=tenant), AgentSpec(), 64))
 
 
 def _body(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": [{"role": "user", "content": text}], **extra}
 
 
-async def _finish(gen: Generation) -> tuple[str, Any, str]:
+async def _finish(gen: Ticket) -> tuple[str, Any, str]:
     """The final event of ``gen`` and the text of its deltas."""
     text = ""
     while True:
@@ -108,7 +109,7 @@ def _occupy(rt: FakeRuntime, url: str) -> threading.Thread:
 
 def test_a_flooding_tenant_gets_429_past_its_share_and_others_still_get_in() -> None:
     rt, metrics = FakeRuntime(), Metrics("m")
-    svc = ChatService(rt.stream_chat, ServerConfig(keys=KEYS, max_waiting=8), metrics)
+    svc = ChatService(rt.stream_turn, ServerConfig(keys=KEYS, max_waiting=8), metrics)
 
     async def scenario() -> tuple[APIError, list[tuple[str, Any, str]]]:
         running = svc.submit(_job("WAIT", "a"))
@@ -164,7 +165,7 @@ def test_over_http_the_flooder_gets_429_with_retry_after_and_the_other_tenant_20
 
 def test_tenants_are_served_round_robin() -> None:
     rt = FakeRuntime()
-    svc = ChatService(rt.stream_chat, ServerConfig(), Metrics("m"))
+    svc = ChatService(rt.stream_turn, ServerConfig(), Metrics("m"))
 
     async def scenario() -> None:
         gens = [svc.submit(_job("WAIT", "a"))]
@@ -187,7 +188,7 @@ def test_tenants_are_served_round_robin() -> None:
 
 def test_a_flood_that_disconnects_releases_its_slots_at_once() -> None:
     rt, metrics = FakeRuntime(), Metrics("m")
-    svc = ChatService(rt.stream_chat, ServerConfig(max_waiting=4), metrics)
+    svc = ChatService(rt.stream_turn, ServerConfig(max_waiting=4), metrics)
 
     async def scenario() -> None:
         running = svc.submit(_job("WAIT", "a"))
@@ -250,7 +251,7 @@ def test_a_cancel_while_the_runtime_prefills_stops_it_and_stores_nothing(
         tmp_path: Path) -> None:
     store = SessionStore(tmp_path / "sessions.sqlite3")
     rt, metrics = FakeRuntime(store), Metrics("m")
-    svc = ChatService(rt.stream_chat, ServerConfig(), metrics)
+    svc = ChatService(rt.stream_turn, ServerConfig(), metrics)
 
     async def scenario() -> str:
         gen = svc.submit(_job("PREFILL", "a"))
@@ -341,7 +342,7 @@ def test_a_cancel_during_a_chunked_prefill_raises_before_the_prefill_ends(
     target.prefill(first, scope="t")
     prompt = first + [rng.randrange(2, 96) for _ in range(75)]  # 75 new: 5 chunks after reuse
     cancel, calls = threading.Event(), []
-    forward = target._forward
+    forward = target.kv.forward
 
     def counting(tokens: Any, last_only: bool = False) -> torch.Tensor:
         calls.append(len(tokens))
@@ -349,7 +350,7 @@ def test_a_cancel_during_a_chunked_prefill_raises_before_the_prefill_ends(
             cancel.set()  # the client leaves while the second chunk is fed
         return forward(tokens, last_only)
 
-    monkeypatch.setattr(target, "_forward", counting)
+    monkeypatch.setattr(target.kv, "forward", counting)
     with pytest.raises(Cancelled):
         target.prefill(prompt, scope="t", cancel=cancel)
     assert calls == [16, 16] and target.num_cached == 152  # 3 of 5 chunks never ran
@@ -358,7 +359,7 @@ def test_a_cancel_during_a_chunked_prefill_raises_before_the_prefill_ends(
         target.prefill(prompt, cancel=cancel)
     assert calls == [16, 16]
     # The target is consistent afterwards: the next request gets the exact logits.
-    monkeypatch.setattr(target, "_forward", forward)
+    monkeypatch.setattr(target.kv, "forward", forward)
     got = target.prefill(prompt, scope="t")
     torch.testing.assert_close(got, plain.prefill(prompt), atol=1e-5, rtol=1e-5)
 
@@ -387,7 +388,7 @@ def test_the_runtime_hands_cancel_to_the_engine(monkeypatch: pytest.MonkeyPatch)
 
     template, eos, special, added = FAMILIES["hermes"]
     tok = byte_tokenizer((TEMPLATES / template).read_text(), eos, special, added)
-    rt = Runtime(SimpleNamespace(tokenizer=tok))  # type: ignore[arg-type]
+    rt = Runtime(SimpleNamespace(tokenizer=tok, lock=threading.RLock()))  # type: ignore[arg-type]
     seen: dict[str, Any] = {}
 
     class Engine:

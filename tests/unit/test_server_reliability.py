@@ -33,6 +33,7 @@ from adapters.openai_server import ServerConfig, create_app
 from adapters.openai_server.auth import KeyRing, load_file, parse_env
 from adapters.openai_server.metrics import Metrics
 from adapters.openai_server.service import ChatService, Job
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import ConfigError
 from agentspec.spec import AgentSpec
 from agentspec.storage.sessions import SessionStore, StoreConfig
@@ -241,13 +242,13 @@ def test_duplicate_api_key_is_refused(tmp_path: Path) -> None:
 
 
 def _job(rt: FakeRuntime, text: str, session: str) -> Job:
-    return Job([{"role": "user", "content": text}], None, None, SessionRef(session), AgentSpec(),
-               64)
+    return Job(ChatTurn([{"role": "user", "content": text}], None, None, SessionRef(session),
+                        AgentSpec(), 64))
 
 
 def test_a_queued_job_whose_client_left_is_skipped(store: SessionStore) -> None:
     rt = FakeRuntime(store)
-    service = ChatService(rt.stream_chat, ServerConfig(), Metrics("fake"))
+    service = ChatService(rt.stream_turn, ServerConfig(), Metrics("fake"))
 
     async def scenario() -> str:
         first = service.submit(_job(rt, "WAIT", "busy"))

@@ -22,6 +22,7 @@ from adapters.openai_server.auth import KeyRing, load_file, load_keys, parse_env
 from adapters.openai_server.config import check_bind, is_loopback
 from adapters.openai_server.metrics import LATENCY_BUCKETS, Metrics
 from adapters.openai_server.responses import ToolTextFilter
+from agentspec.chat.turn import ChatTurn
 from agentspec.errors import ConfigError
 from agentspec.spec import AgentSpec, VerifierPolicy
 from agentspec.types import RequestStats, SessionRef, StepStats
@@ -443,13 +444,14 @@ def test_queue_limit_and_cancelled_jobs() -> None:
 
     async def scenario() -> None:
         rt = FakeRuntime()
-        svc = ChatService(rt.stream_chat, ServerConfig(max_waiting=1), Metrics("m"))
-        wait = Job([{"role": "user", "content": "WAIT"}], None, None, None, AgentSpec(), 64)
+        svc = ChatService(rt.stream_turn, ServerConfig(max_waiting=1), Metrics("m"))
+        wait = Job(ChatTurn([{"role": "user", "content": "WAIT"}], None, None, None, AgentSpec(),
+                            64))
         running = svc.submit(wait)
         while not rt.calls:  # the worker picked it up and blocks inside the runtime
             await asyncio.sleep(0.01)
-        queued = svc.submit(Job([{"role": "user", "content": "x"}], None, None, None,
-                                AgentSpec(), 64))
+        queued = svc.submit(Job(ChatTurn([{"role": "user", "content": "x"}], None, None, None,
+                                         AgentSpec(), 64)))
         with pytest.raises(APIError) as full:
             svc.submit(wait)
         assert full.value.status == 503 and full.value.code == "queue_full"

@@ -373,6 +373,78 @@ def test_payoff_gate_modes(monkeypatch: pytest.MonkeyPatch) -> None:
         PayoffGate.from_env(None)
 
 
+def test_payoff_gate_reads_a_measured_cost_curve(tmp_path: Path) -> None:
+    """``AGENTSPEC_VLLM_COST_CURVE``: ``{"k": cost}`` (or an agentspec cost file's curve),
+    interpolated between the measured points; the curve decides the cut."""
+    from adapters.vllm.payoff_gate import PayoffGate, load_cost_curve
+    from agentspec.payoff.features import TokenTable
+    from agentspec.targets.costs import COST_POINTS
+
+    bare = tmp_path / "curve.json"
+    bare.write_text(json.dumps({"1": 1.0, "2": 1.1, "8": 1.7}))
+    assert load_cost_curve(bare) == {1: 1.0, 2: 1.1, 8: 1.7}
+    stored = tmp_path / "model.json"  # as agentspec stores a target's measured curves
+    seconds = {str(k): 0.01 * (1 + k / 32) for k in COST_POINTS}
+    stored.write_text(json.dumps({"forms": {}, "costs": seconds, "torch": "x"}))
+    assert load_cost_curve(stored) == {int(k): v for k, v in seconds.items()}
+    gate = PayoffGate(_constant_predictor(2.0), TokenTable.blank(1000),
+                      curve=load_cost_curve(bare))
+    assert gate.policy.cost(5) == pytest.approx(1.4)  # between 2 and 8
+    assert gate.policy.cost(10) == pytest.approx(1.9)  # along the last slope
+    for curve, want in (({1: 1.0, 64: 1.0}, 8), ({1: 1.0, 2: 4.0}, 0)):  # free / dear
+        runner = FakeModelRunner(k=8)
+        runner.drafter.gate = PayoffGate(_constant_predictor(2.0), TokenTable.blank(1000),
+                                         curve=curve)
+        runner.start(0, "a", PROMPT + PROMPT[:3])
+        (draft,) = runner.step({0: [PROMPT[3]]})
+        assert len(draft) == want, curve
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    (None, "cannot read"),
+    ("{not json", "not JSON"),
+    ("[1.0, 1.1]", "JSON object"),
+    ("{}", "at least one point"),
+    ('{"one": 1.0}', "'one'"),
+    ('{"0": 1.0}', "'0'"),
+    ('{"1": -1.0}', "-1.0"),
+    ('{"1": "fast"}', "'fast'"),
+    ('{"1": true}', "True"),
+    ('{"1": NaN}', "nan"),
+])
+def test_payoff_gate_refuses_a_malformed_cost_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str | None, needle: str
+) -> None:
+    from adapters.vllm.payoff_gate import PayoffGate, load_cost_curve
+
+    path = tmp_path / "curve.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_cost_curve(path)
+    assert str(path) in str(info.value)
+    # The environment's curve is read (and refused) before any tokenizer is loaded.
+    monkeypatch.setenv("AGENTSPEC_VLLM_PAYOFF", "cost_aware")
+    monkeypatch.setenv("AGENTSPEC_VLLM_COST_CURVE", str(path))
+    with pytest.raises(ConfigError, match="AGENTSPEC_VLLM_COST_CURVE"):
+        PayoffGate.from_env(None)
+
+
+def test_payoff_gate_refuses_two_cost_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adapters.vllm.payoff_gate import PayoffGate
+    from agentspec.payoff.features import TokenTable
+
+    with pytest.raises(ConfigError, match="not both"):
+        PayoffGate(_constant_predictor(1.0), TokenTable.blank(10), 0.04, {1: 1.0})
+    monkeypatch.setenv("AGENTSPEC_VLLM_PAYOFF", "cost_aware")
+    monkeypatch.setenv("AGENTSPEC_VLLM_COST_PER_TOKEN", "0.01")
+    monkeypatch.setenv("AGENTSPEC_VLLM_COST_CURVE", str(tmp_path / "curve.json"))
+    with pytest.raises(ConfigError, match=r"AGENTSPEC_VLLM_COST_PER_TOKEN.*not both"):
+        PayoffGate.from_env(None)
+
+
 def test_proposer_persists_sessions_in_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

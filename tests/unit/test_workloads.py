@@ -14,7 +14,7 @@ from agentspec.chat.formats.llama3 import Llama3JsonFormat
 from agentspec.chat.formats.mistral import MistralFormat
 from agentspec.errors import BenchmarkError, ConfigError
 from agentspec.types import check_id
-from workflows.workloads.base import Request
+from workflows.workloads.base import WorkloadRequest
 from workflows.workloads.datasets import (
     DATA_ENV,
     FIXTURE_DIR,
@@ -248,7 +248,7 @@ def test_editeval_turn_metrics_and_timeout() -> None:
 # --- tool agent -----------------------------------------------------------------------------
 
 
-def _play(workload: ToolAgentWorkload, turns: int) -> list[list[Request]]:
+def _play(workload: ToolAgentWorkload, turns: int) -> list[list[WorkloadRequest]]:
     played = []
     for session in workload.sessions(None, turns):
         requests, out = [], None

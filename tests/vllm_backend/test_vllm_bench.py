@@ -19,8 +19,8 @@ if VLLM_MISSING:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from agentspec.payoff.defaults import DEFAULT_PREDICTOR
-from workflows.bench.vllm import format_table
 from workflows.bench.vllm import main as bench_main
+from workflows.bench.vllm import vllm_table
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 CONFIGS = ["vllm_plain", "vllm_suffix", "agentspec_proposer"]
@@ -39,7 +39,7 @@ def report() -> dict[str, Any]:
         "--max-tokens", "160", "--max-draft", "16",
         "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION), "--out", str(out),
     ])
-    (RESULTS / "vllm_bench.txt").write_text(format_table(rep["results"]) + "\n")
+    (RESULTS / "vllm_bench.txt").write_text(vllm_table(rep["results"]) + "\n")
     return rep
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from vllm_env import GPU_MEMORY_UTILIZATION, SKIP_REASON, VLLM_MISSING
@@ -40,10 +39,11 @@ def rt() -> Iterator[VLLMRuntime]:
 def test_chat_and_stream_agree(rt: VLLMRuntime) -> None:
     msgs = [{"role": "user", "content": "Name three colours."}]
     result = rt.chat(msgs, max_tokens=24)
-    out: list[Any] = []
-    deltas = list(rt.stream_chat(msgs, max_tokens=24, result=out))
-    assert len(deltas) > 1 and "".join(deltas) == result.text == out[0].text
-    assert out[0].tokens == result.tokens and result.completion_tokens == len(result.tokens)
+    stream = rt.stream_chat(msgs, max_tokens=24)
+    deltas = list(stream)
+    assert len(deltas) > 1 and "".join(deltas) == result.text == stream.result.text
+    assert stream.result.tokens == result.tokens
+    assert result.completion_tokens == len(result.tokens)
     assert result.finish_reason in ("stop", "length")
     assert result.stats.generated_tokens == result.completion_tokens
     assert result.prompt_tokens > 0 and rt.target.name == "smollm2-135m-instruct"

@@ -275,7 +275,7 @@ def summarize(rows: list[dict[str, Any]], names: list[str], stores: dict[str, Pr
             "all_identical": all(r["identical"] for r in rows), "rows": rows}
 
 
-def format_table(report: dict[str, Any]) -> str:
+def driven_table(report: dict[str, Any]) -> str:
     """Markdown: one row per variant."""
     vs = "vs plain" + (" + reuse" if report.get("baseline") == "plain+reuse" else "")
     lines = ["| method | reuse | mean TTFT s | mean prefill s | decode tok/s | mean turn s | "
@@ -349,5 +349,5 @@ def run_drive_cli(args: argparse.Namespace) -> int:
                  args.max_tokens, args.max_prompt, args.turns, args.max_draft,
                  args.prefix_cache_mb << 20, out=args.out, model=args.model,
                  workload=args.workload, reuse=args.reuse)
-    print(format_table(report))
+    print(driven_table(report))
     return 0

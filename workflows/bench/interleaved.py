@@ -4,12 +4,12 @@
 ``--out results/mixed.json``
 
 The harness runs methods one after another, so a machine whose speed drifts during a long
-run (a noisy neighbour, thermal limits; greedy measured 16.5-21.5 tok/s on one machine in
-one day) biases their ratios by more than the differences being measured. Here every turn
-of every session is decoded by each method back to back, the order rotating from turn to
-turn, each method keeping its own session state. All methods are lossless, so their outputs
-(and hence the next turn's prompt) are identical; that is checked on every turn. The ratio
-of summed engine times is then a drift-free speed ratio.
+run (a noisy neighbour, thermal limits: ~10-20 % within a day on these machines) biases
+their ratios by more than the differences being measured. Here every turn of every session
+is decoded by each method back to back, the order rotating from turn to turn, each method
+keeping its own session state. All methods are lossless, so their outputs (and hence the
+next turn's prompt) are identical; that is checked on every turn. The ratio of summed engine
+times is then a drift-free speed ratio.
 
 The default mix is ``make bench``'s: 5 DELEGATE-52 relays × 4 turns plus 3 tool-agent
 sessions and 3 open chats × 2 turns. It prints a per-workload table and the pooled one
@@ -75,7 +75,7 @@ def parse_mix(spec: str) -> list[Part]:
     return parts
 
 
-def _summary(stats: RequestStats) -> dict[str, Any]:
+def _stats_row(stats: RequestStats) -> dict[str, Any]:
     return {"tokens": stats.generated_tokens, "seconds": round(stats.total_s, 3),
             "tokens_per_s": round(stats.tokens_per_s, 2),
             "mean_accepted_len": round(stats.mean_accepted_len, 3),
@@ -150,11 +150,11 @@ def run(methods: list[str], mix: list[Part], max_draft: int = 32, progress: bool
     for per in totals.values():
         for m, s in per.items():
             pooled[m].merge(s)
-    summary = {m: _summary(s) for m, s in pooled.items()}
+    summary = {m: _stats_row(s) for m, s in pooled.items()}
     return {
         "model": target.name, "methods": methods, "mix": [p.__dict__ for p in mix],
         "max_draft": max_draft,
-        "workloads": {w: {m: _summary(s) for m, s in per.items()} for w, per in totals.items()},
+        "workloads": {w: {m: _stats_row(s) for m, s in per.items()} for w, per in totals.items()},
         "pooled": summary,
         "pooled_ratios": {f"{a}_over_{b}": round(summary[a]["tokens_per_s"]
                                                  / summary[b]["tokens_per_s"], 4)
@@ -163,7 +163,7 @@ def run(methods: list[str], mix: list[Part], max_draft: int = 32, progress: bool
     }
 
 
-def format_table(report: dict[str, Any]) -> str:
+def interleaved_table(report: dict[str, Any]) -> str:
     """Markdown: tokens/s per workload and pooled, and forwards per 1,000 tokens."""
     methods = report["methods"]
     cols = [*report["workloads"], "pooled"]
@@ -213,7 +213,7 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-    print(format_table(report))
+    print(interleaved_table(report))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets.hf import HFTarget
 from agentspec.tokens import cut_at_stop, eos_ids
 from agentspec.types import RequestStats, SessionRef, StepStats
-from workflows.workloads.base import Request
+from workflows.workloads.base import WorkloadRequest
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Method(Protocol):
 
     name: str
 
-    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+    def run(self, prompt: list[int], request: WorkloadRequest, session: SessionRef) -> RunOutput:
         """Decode ``prompt`` (the rendered ``request``) within ``session``."""
         ...
 
@@ -169,7 +169,7 @@ class EngineMethod:
             spec, ctx.target, drafter, decode=ctx.decode, eos_token_ids=ctx.eos_ids,
         )
 
-    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+    def run(self, prompt: list[int], request: WorkloadRequest, session: SessionRef) -> RunOutput:
         """Run the request through the engine (under its tool grammar in constrained runs)."""
         constraint = None
         fmt = format_for(self.ctx.target.tokenizer)  # the model's own tool syntax
@@ -221,7 +221,7 @@ class HFGenerateMethod:
         self.prompt_lookup = prompt_lookup
         self.record = record  # the greedy reference feeds the oracle
 
-    def run(self, prompt: list[int], request: Request, session: SessionRef) -> RunOutput:
+    def run(self, prompt: list[int], request: WorkloadRequest, session: SessionRef) -> RunOutput:
         """Run ``model.generate`` on the prompt."""
         model = self.ctx.target.model
         calls = [0]

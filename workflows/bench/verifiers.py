@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def format_tables(report: dict[str, Any]) -> str:
+def verifier_tables(report: dict[str, Any]) -> str:
     """The two Markdown tables of a report."""
     s = report["same_draws"]
     lines = [
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
-    print(format_tables(report))
+    print(verifier_tables(report))
     return 0
 
 

@@ -178,7 +178,7 @@ def _run_isolated(name: str, args: argparse.Namespace, argv: list[str]) -> dict[
         return result
 
 
-def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def config_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per configuration: tokens/s, speed-up over the reference, identity."""
     reference = next((r for r in runs if r["config"] == REFERENCE), None)
     ref_tokens = ({(t["workload"], t["session_id"], t["turn"]): t["tokens"]
@@ -216,7 +216,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def vllm_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     headers = ["config", "req", "tokens", "tok/s", "speed-up", "acc.len", "tok/step",
                "prefix hit", "start s", "load", "identical"]
@@ -294,11 +294,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = sorted(configs, key=lambda c: c != REFERENCE)  # the reference first
     runs = [run_config(c, args) if args.no_isolate else _run_isolated(c, args, raw)
             for c in configs]
-    rows = summarise(runs)
+    rows = config_rows(runs)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "settings": {
         k: v for k, v in vars(args).items() if k not in ("one", "part_out", "out")
     }, "results": rows, "runs": runs}
-    print(format_table(rows))
+    print(vllm_table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1, default=str))

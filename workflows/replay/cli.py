@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from workflows.replay.runner import DEFAULT_METHODS, format_table, run_replay
+from workflows.replay.runner import DEFAULT_METHODS, replay_table, run_replay
 
 
 def _methods(value: str) -> list[str]:
@@ -60,7 +60,7 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         agent=args.agent, progress=not args.no_progress, context_tokens=args.context_tokens,
         cost_curve=args.cost_curve,
     )
-    print(format_table(report["results"]))
+    print(replay_table(report["results"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -182,7 +182,7 @@ def _memory(drafter: Drafter | None) -> tuple[int | None, float | None]:
     return None, None
 
 
-def summarise(run: MethodRun, sessions: int, turns: int, cost: Callable[[int], float] | None,
+def method_row(run: MethodRun, sessions: int, turns: int, cost: Callable[[int], float] | None,
               gpu_step_s: float) -> dict[str, Any]:
     """The result row of one method (field meanings in the module docstring)."""
     draft_s = sum(run.step_ns) / 1e9
@@ -269,7 +269,7 @@ def replay_sessions(
                     run.replay_turn(turn.prompt, turn.output, args, max_draft)
                     bar.update(len(turn.output))
                 turns += 1
-    rows = [summarise(r, len(sessions), turns, cost, gpu_step_s) for r in runs]
+    rows = [method_row(r, len(sessions), turns, cost, gpu_step_s) for r in runs]
     ceiling = next((r["mean_accepted_len"] for r in rows if r["method"] == "ceiling_tenant"), 0)
     for r in rows:
         r["ceiling_share"] = round(r["mean_accepted_len"] / ceiling, 3) if ceiling else None
@@ -399,7 +399,7 @@ COLUMNS = (("method", "method"), ("mean_accepted_len", "acc len"),
            ("bytes_per_indexed_token", "B/token"))
 
 
-def format_table(results: Sequence[dict[str, Any]]) -> str:
+def replay_table(results: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of the result rows."""
     table = markdown_table([h for _, h in COLUMNS], [
         ["-" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS] for r in results

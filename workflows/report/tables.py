@@ -5,7 +5,7 @@
 and PNG plots named after the results file too (``results.speedup.png``, ...), so two runs
 reported into one folder never overwrite each other. Plots: speed-up per method and
 workload, accepted-length histograms per method, and speed-up per turn of multi-turn
-workloads (the DELEGATE-52 relay). :func:`format_table` renders the same table for the
+workloads (the DELEGATE-52 relay). :func:`results_table` renders the same table for the
 terminal.
 
 Fields may be missing (older result files, methods without a greedy reference); they are
@@ -85,7 +85,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def format_table(results: Sequence[dict[str, Any]]) -> str:
+def results_table(results: Sequence[dict[str, Any]]) -> str:
     """The per-workload, per-method table as Markdown (also readable in a terminal).
 
     Args:
@@ -217,7 +217,7 @@ def write_report(results_path: str | Path, out_dir: str | Path | None = None) ->
         if isinstance(value, dict) and value:
             pairs = ", ".join(f"{k}={v}" for k, v in value.items())
             md.append(f"- **{section}**: {pairs}")
-    md += ["", "## Speed", "", format_table(results), ""]
+    md += ["", "## Speed", "", results_table(results), ""]
     md += [
         "Speed-up is relative to plain greedy decoding on the same prompts. *Loop share* is",
         "the fraction of generated tokens that repeat a short loop (see",
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="output folder")
     args = parser.parse_args(argv)
     paths = write_report(args.results, args.out_dir)
-    print(format_table(load_results(args.results)["results"]))
+    print(results_table(load_results(args.results)["results"]))
     for path in paths:
         print(f"wrote {path}")
     return 0

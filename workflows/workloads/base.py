@@ -17,7 +17,7 @@ Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "conten
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
     """One model call of a session.
 
     Attributes:
@@ -48,12 +48,12 @@ class Session(Protocol):
 
     session_id: str
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """The next request given the previous turn's output text (``None`` before the
         first turn); ``None`` when the session is over."""
         ...
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Workload-specific quality numbers for one turn (e.g. tests passed)."""
         ...
 
@@ -76,18 +76,18 @@ class ScriptedSession:
         requests: The requests in order.
     """
 
-    def __init__(self, session_id: str, requests: list[Request]) -> None:
+    def __init__(self, session_id: str, requests: list[WorkloadRequest]) -> None:
         self.session_id = session_id
         self._requests = list(requests)
         self._i = 0
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """The next fixed request."""
         if self._i >= len(self._requests):
             return None
         self._i += 1
         return self._requests[self._i - 1]
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """No quality metric for fixed prompts."""
         return {}

@@ -9,11 +9,11 @@ in its own previous output.
 Two prompt styles. ``template`` is the benchmark's template with ``[[INPUT_CONTEXT]]`` = the
 current documents as ```` ```<file_name> ```` blocks, ``[[FILE_NAMES]]`` = the files the turn
 must produce and ``[[EDITING_OPERATION]]`` = the instruction. The embedded 135M model does
-not follow it: measured on the first four domains it answers with unrelated code or an empty
-fence, or loops on one line (94.8 % of its relay tokens were inside loops). ``compact`` (the
+not follow it: it answers with unrelated code or an empty fence, or loops on one line, so
+most of its relay tokens end up inside loops. ``compact`` (the
 default) shows the same documents, then the instruction and "Write the complete updated
 file.", and opens the assistant turn with the fence of the first file to produce
-(:attr:`Request.prefix`), as the template itself asks answers to start; the model then
+(:attr:`WorkloadRequest.prefix`), as the template itself asks answers to start; the model then
 re-emits the document, which is the copy-heavy behaviour the relay is meant to measure.
 
 The next turn's documents are the file blocks parsed from the model's output (fallback: the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentspec.errors import BenchmarkError
-from workflows.workloads.base import Request
+from workflows.workloads.base import WorkloadRequest
 from workflows.workloads.datasets import Domain, load_delegate52, load_prompt_template
 from workflows.workloads.datasets import data_dir as resolve_data_dir
 
@@ -252,7 +252,7 @@ class RelaySession:
         self._expected: dict[int, list[str]] = {}  # turn -> files it was asked for
         self._turn = 0
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """Chain the previous output into the next edit; ``None`` after the last turn."""
         if last_output is not None and self._turn > 0:
             self._docs, _ = documents_from_output(
@@ -285,7 +285,7 @@ class RelaySession:
         self._expected[self._turn] = names
         meta = {"domain": self.domain.domain, "edit": edit.name, "direction": direction,
                 "pair": index // 2, "turn": self._turn, "files": names}
-        return Request(
+        return WorkloadRequest(
             messages=[{"role": "user", "content": prompt}],
             max_tokens=self._budget(context),
             stop=stop,
@@ -293,7 +293,7 @@ class RelaySession:
             prefix=prefix,
         )
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Parse and similarity numbers of one turn.
 
         Returns:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.errors import BenchmarkError
-from workflows.workloads.base import Request
+from workflows.workloads.base import WorkloadRequest
 from workflows.workloads.datasets import EditTask, load_editeval
 from workflows.workloads.datasets import data_dir as resolve_data_dir
 from workflows.workloads.delegate52 import estimate_tokens
@@ -182,19 +182,19 @@ class EditSession:
         self._done = False
         self.turns = 1  # requests this session will make
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """The single request of the session (``None`` afterwards)."""
         if self._done:
             return None
         self._done = True
         prompt = PROMPT.format(instruction=self.task.instruction.strip(), code=self.task.input)
-        return Request(
+        return WorkloadRequest(
             messages=[{"role": "user", "content": prompt}],
             max_tokens=self._max_tokens,
             meta={"task_id": self.task.task_id},
         )
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Extract the code and run the row's tests on it.
 
         Returns:

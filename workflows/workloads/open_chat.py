@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from agentspec.errors import BenchmarkError
-from workflows.workloads.base import Message, Request
+from workflows.workloads.base import Message, WorkloadRequest
 
 # Each entry is one session: its user turns in order. A second turn follows up on the
 # model's first answer, so the session has a real (short) history.
@@ -57,7 +57,7 @@ class ChatSession:
         self._messages: list[Message] = []
         self._turn = 0
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """The next user turn, after the model's previous answer; ``None`` when done."""
         if self._turn >= len(self._questions):
             return None
@@ -65,13 +65,13 @@ class ChatSession:
             self._messages.append({"role": "assistant", "content": last_output or ""})
         self._messages.append({"role": "user", "content": self._questions[self._turn]})
         self._turn += 1
-        return Request(
+        return WorkloadRequest(
             messages=[dict(m) for m in self._messages],
             max_tokens=self._max_tokens,
             meta={"turn": self._turn},
         )
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Only the answer's length: open chat has no reference answer."""
         return {"output_chars": len(output)}
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from workflows.workloads.base import Request, Session
+from workflows.workloads.base import Session, WorkloadRequest
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -72,7 +72,7 @@ class SmokeSession:
         self.doc = json.dumps(DOCUMENT, indent=2)
         self.i = 0
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """The next edit of the current document."""
         if last_output is not None:
             m = _JSON_BLOCK.search(last_output)
@@ -86,9 +86,9 @@ class SmokeSession:
             {"role": "system", "content": "You are a careful configuration editor."},
             {"role": "user", "content": _prompt(self.doc, edit)},
         ]
-        return Request(messages=messages, max_tokens=160, tools=TOOLS, meta={"edit": edit})
+        return WorkloadRequest(messages=messages, max_tokens=160, tools=TOOLS, meta={"edit": edit})
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Whether the output holds a JSON block that parses."""
         m = _JSON_BLOCK.search(output)
         ok = False

@@ -36,7 +36,7 @@ from typing import Any
 from agentspec.chat.formats import FORMATS, ToolFormat, check_format_name
 from agentspec.chat.formats.fallback import FallbackFormat
 from agentspec.errors import BenchmarkError
-from workflows.workloads.base import Message, Request
+from workflows.workloads.base import Message, WorkloadRequest
 from workflows.workloads.datasets import data_dir as resolve_data_dir
 from workflows.workloads.datasets import load_delegate52
 from workflows.workloads.tools import (
@@ -112,7 +112,7 @@ class ToolSession:
         ]
         self._turn = 0
 
-    def next_request(self, last_output: str | None) -> Request | None:
+    def next_request(self, last_output: str | None) -> WorkloadRequest | None:
         """Append the previous output and the planned tool's result; ``None`` when done."""
         if self._turn >= self.turns:
             return None
@@ -139,14 +139,14 @@ class ToolSession:
             )
         self._turn += 1
         planned = self.plan[self._turn - 1][0] if self._turn <= len(self.plan) else None
-        return Request(
+        return WorkloadRequest(
             messages=copy.deepcopy(self._messages),
             max_tokens=self._max_tokens,
             tools=copy.deepcopy(TOOLS),
             meta={"turn": self._turn, "planned_tool": planned},
         )
 
-    def turn_metrics(self, request: Request, output: str) -> dict[str, Any]:
+    def turn_metrics(self, request: WorkloadRequest, output: str) -> dict[str, Any]:
         """Whether the output held a tool call, and whether it was the planned one.
 
         Returns:

@@ -24,19 +24,24 @@ cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agentspec.errors import ConfigError
-from agentspec.lru import LRU
+from agentspec.requests import REQUESTS, Slot
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys, sample
 from agentspec.tokens import common_prefix
-from agentspec.types import Draft, DraftContext, SamplingParams, SessionRef, VerifyResult
-
-_MAX_REQUESTS = 256  # request generators kept (requests that never finish age out)
+from agentspec.types import (
+    Draft,
+    DraftContext,
+    SamplingParams,
+    SessionRef,
+    VerifyResult,
+    state_key,
+)
 
 __all__ = ["ModelDrafter", "ModelDrafterConfig"]
 
@@ -98,10 +103,10 @@ class ModelDrafter:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
         self.forwards = 0  # drafter forward passes, for cost accounting
         self._rng = torch.Generator().manual_seed(self.config.seed)
-        # Each request's generator, keyed by DraftContext.state_key (bounded: requests that
-        # never finish age out). The KV cache below is the model's, not a request's: it is
-        # re-synced (cropped to the common prefix) with whatever context comes next.
-        self._rngs: LRU[Hashable, torch.Generator] = LRU(_MAX_REQUESTS)
+        # Each request's generator, in the one home of per-request state. The KV cache
+        # below is the model's, not a request's: it is re-synced (cropped to the common
+        # prefix) with whatever context comes next.
+        self._rngs: Slot[torch.Generator] = REQUESTS.slot("causal")
         self._cache: Any = None
         self._cached: list[int] = []  # tokens whose keys/values the cache holds
         # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
@@ -215,9 +220,8 @@ class ModelDrafter:
         Without one (greedy requests) the request gets a generator seeded with the
         drafter's own seed.
         """
-        key = ("id", request_id) if request_id is not None else ("session", session)
-        self._rngs.put(key, rng if rng is not None else torch.Generator().manual_seed(
-            self.config.seed))
+        own = rng if rng is not None else torch.Generator().manual_seed(self.config.seed)
+        self._rngs.put(state_key(request_id, session), own)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
         """Nothing to do: the next :meth:`propose` syncs the cache with the new context."""

@@ -58,9 +58,10 @@ from agentspec.drafters.model.eagle_head import EagleHead, HeadCache, HeadSpec
 from agentspec.errors import ConfigError, ModelLoadError, RequestStateError
 from agentspec.interfaces import ModelTarget, Target
 from agentspec.lru import LRU
+from agentspec.requests import REQUESTS, Slot
 from agentspec.sampling import keyed_choice, process_logits, request_key, row_keys
 from agentspec.tokens import common_prefix
-from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult, state_key
 
 __all__ = ["EagleConfig", "EagleDrafter", "build_head", "eagle_path", "load_default_eagle",
            "load_eagle", "read_head", "save_eagle"]
@@ -107,10 +108,6 @@ class _Stream:
     in_sync: bool = False
 
 
-# Live feature streams kept: each holds a head KV cache over its whole context, and requests
-# that never finish (an abandoned stream) age out. The runtime's lock decodes one request
-# at a time, so more than a few live at once is a leak, not traffic.
-_MAX_STREAMS = 16
 # Finished requests' head caches kept for their sessions' next requests (each ~1 KiB per
 # position on Qwen2.5-0.5B's head: 2 KV heads x 64 dims x keys and values in fp32).
 _MAX_CARRY = 16
@@ -155,7 +152,8 @@ class EagleDrafter:
         self._ids = torch.tensor(spec.draft_vocab, dtype=torch.long)  # [N] -> full vocab id
         self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
         self._vocab = spec.target_vocab
-        self._streams: LRU[Hashable, _Stream] = LRU(_MAX_STREAMS)
+        # Live requests' streams, in the one home of per-request state.
+        self._streams: Slot[_Stream] = REQUESTS.slot("eagle")
         self._carry: LRU[tuple[str, str], _Carry] = LRU(_MAX_CARRY)
         self.carried_pairs = 0  # head entries reused from a session's earlier request
 
@@ -291,7 +289,7 @@ class EagleDrafter:
         Raises:
             RequestStateError: ``request_id`` names a request that has not finished.
         """
-        key = ("id", request_id) if request_id is not None else ("session", session)
+        key = state_key(request_id, session)
         if request_id is not None and key in self._streams:
             raise RequestStateError(
                 f"EagleDrafter: request {request_id!r} was begun twice; finish it first")

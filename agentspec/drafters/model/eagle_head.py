@@ -225,9 +225,8 @@ class EagleHead(torch.nn.Module):
         """Start as "the next feature is this feature plus this token": ``fc = [I | I]``
         and zero output projections (``o_proj``, ``down_proj``), so the layer's residual
         branches start silent and the first loss is sane; the other weights are small
-        random (std 0.02). Measured on SmolLM2-135M: 0.33 held-out top-1 after 2 minutes
-        of training, vs 0.27 after 6 minutes when starting from a copy of a target layer
-        (whose residual branches add large, unrelated updates)."""
+        random (std 0.02). It learns faster than a copy of a target layer, whose residual
+        branches add large, unrelated updates."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for lin in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj):

@@ -20,8 +20,8 @@ class SuffixConfig:
             index holds the context itself, so the context's own suffix always matches and
             arctic's speculation (which drafts once per match length, each match walked
             from the root) runs to the end of the window: its cost grows with the
-            window's square. On agent logs 32 gave the same draft as 64 in 99 % of steps
-            at half the cost (history indexes stop at their longest match on their own).
+            window's square. On agent logs 32 almost always gives the same draft as 64, at
+            a fraction of the cost (history indexes stop at their longest match on their own).
         max_spec_factor: Draft length cap per matched token. Agent outputs copy long spans
             (documents, tool results), so a long match earns a longer draft than in chat.
         max_spec_offset: Tokens added to the cap, so short but confident matches still draft.

@@ -2,8 +2,8 @@
 
 The session cache drafts from several indexes each step (the request, the session, the
 agent, the tenant, the outputs; see :mod:`agentspec.drafters.suffix.drafter`). A chain
-draft must pick one of them, and picks by score: on real agent logs an oracle that picked
-the best index every step would accept only ~3 % more. Verified together as one tree, every
+draft must pick one of them, and picks by score: on real agent logs even an oracle that
+picked the best index every step would accept little more. Verified together as one tree, every
 index's continuation gets its chance in the same forward, and the target's greedy walk
 keeps whichever the model actually follows (``agentspec.verifiers.tree``).
 
@@ -74,8 +74,8 @@ def merge_trees_py(trees: Sequence[WeightedTree], limit: int) -> tuple[list[int]
     keep: Sequence[int] = range(len(toks))
     if len(toks) > limit:
         # The first tree's first branch ranks first, whole: where the best index continues
-        # a copy for the whole budget, branches must not cut it short (on the relay a plain
-        # value cut accepted 12.1 tokens per step, this one 13.3). Then by value, a stable
+        # a copy for the whole budget, branches must not cut it short (a plain value cut
+        # accepts less per step on copying workloads). Then by value, a stable
         # sort: on equal values a parent (lower index) stays ahead of its child.
         order = sorted(keep, key=lambda i: (i not in main, -vals[i]))
         keep = sorted(order[:limit])

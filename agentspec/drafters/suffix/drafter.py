@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from agentspec.drafters.suffix.config import SuffixConfig
@@ -55,7 +54,7 @@ from agentspec.drafters.suffix.levels import (
     SCOPES,
     Calibration,
     Pool,
-    Request,
+    RequestIndex,
     lazy_levels,
     scope_key,
     visible_keys,
@@ -63,6 +62,7 @@ from agentspec.drafters.suffix.levels import (
 from agentspec.errors import AgentSpecError
 from agentspec.interfaces import TurnStore
 from agentspec.lru import LRU
+from agentspec.requests import REQUESTS, Slot
 from agentspec.tokens import common_prefix
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 
@@ -71,7 +71,6 @@ __all__ = ["SCOPES", "SuffixConfig", "SuffixDrafter", "TurnStore", "scope_key",
 
 log = logging.getLogger(__name__)
 
-_MAX_REQUESTS = 256  # live request indexes kept (requests that never finish age out)
 # Finished request indexes kept for their session's next request, in tokens (~150 MB with
 # the C++ tree at ~290 bytes per token), and latest turns kept to find a turn's new tokens
 # (8 bytes per token: the token objects are shared with the caller's lists).
@@ -79,7 +78,7 @@ _CARRY_TOKENS = 1 << 19
 _LAST_TURN_TOKENS = 1 << 22
 
 
-def _request_tokens(req: Request) -> int:
+def _request_tokens(req: RequestIndex) -> int:
     return req.n
 
 
@@ -110,8 +109,11 @@ class SuffixDrafter:
         self.backend = resolve_backend(self.config.backend)
         self.last_origin = "none"
         self.requests_started = 0  # request indexes built or carried (lifecycle starts)
-        self._requests: LRU[Hashable, Request] = LRU(_MAX_REQUESTS)
-        self._pools: OrderedDict[tuple[str, ...], Pool] = OrderedDict()
+        # Each live request's index, in the one home of per-request state (agentspec.requests).
+        self._requests: Slot[RequestIndex] = REQUESTS.slot("suffix")
+        # History indexes by scope key, least recently used first (bounded by
+        # config.max_scopes with a per-tenant rule: _evict_pool).
+        self._pools: LRU[tuple[str, ...], Pool] = LRU()
         # Per (tenant, session): the tokens of its latest finished turn and, while the next
         # request has not started, that turn's request index (agents resend the
         # conversation, so the next prompt usually extends it: the index is carried over
@@ -119,7 +121,7 @@ class SuffixDrafter:
         # Both bounded by tokens (the latest turn is kept whatever its length).
         self._last_turn: LRU[tuple[str, str], list[int]] = LRU(
             max_weight=_LAST_TURN_TOKENS, weight=len, min_items=1)
-        self._carry: LRU[tuple[str, str], Request] = LRU(
+        self._carry: LRU[tuple[str, str], RequestIndex] = LRU(
             max_weight=_CARRY_TOKENS, weight=_request_tokens)
         self._calib: dict[str, Calibration] = {}
         self._seq = 0
@@ -146,10 +148,10 @@ class SuffixDrafter:
         toks = ctx.tokens[-cfg.max_depth :]
         window = toks if isinstance(toks, list) else [int(t) for t in toks]
         # A tree draft merges every index's tree of up to ``limit`` nodes and keeps the best
-        # ``limit`` (offering fewer per index lost 7-23 % of the accepted length on agent logs).
+        # ``limit`` (offering fewer per index loses accepted length on agent logs).
         args = (limit, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, cfg.tree)
         cands: list[tuple[str, Speculation]] = []  # non-empty drafts, narrowest index first
-        req: Request | None = None
+        req: RequestIndex | None = None
         with self._lock:
             if cfg.use_request_index:
                 req = self._sync(ctx)
@@ -258,7 +260,7 @@ class SuffixDrafter:
                 if pool is None:
                     continue
                 if key[0] == "session":
-                    del self._pools[key]
+                    self._pools.pop(key)
                 else:
                     pool.drop_session(ref.session_id)
 
@@ -288,10 +290,10 @@ class SuffixDrafter:
             }
 
     # ----------------------------------------------------------------- internals
-    def _start(self, ctx: DraftContext) -> Request:
+    def _start(self, ctx: DraftContext) -> RequestIndex:
         cfg = self.config
         self.requests_started += 1
-        req = self._carried(ctx) or Request(
+        req = self._carried(ctx) or RequestIndex(
             ctx.tokens, ctx, new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
         self._attach_outputs(ctx, req)
         if ctx.session is not None and cfg.use_history:
@@ -300,7 +302,7 @@ class SuffixDrafter:
         self._requests.put(key, req)
         return req
 
-    def _attach_outputs(self, ctx: DraftContext, req: Request) -> None:
+    def _attach_outputs(self, ctx: DraftContext, req: RequestIndex) -> None:
         """Give a new request a sequence in its scope's outputs index (the answers alone,
         as arctic's global tree: what the model writes, not what tools return)."""
         cfg = self.config
@@ -309,12 +311,12 @@ class SuffixDrafter:
         key = ("outputs", *scope_key(ctx.session, cfg.scope)[1:])
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
-                                                     cfg.max_tokens))
+            pool = Pool(new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+            self._pools.put(key, pool)
         self._seq = (self._seq + 1) & 0x7FFFFFFF
         req.out, req.out_n = (pool, self._seq), 0
 
-    def _close_outputs(self, req: Request, session_id: str) -> None:
+    def _close_outputs(self, req: RequestIndex, session_id: str) -> None:
         """Account a finished request's answer in its outputs index (for eviction)."""
         if req.out is None:
             return
@@ -323,7 +325,7 @@ class SuffixDrafter:
         pool.turns.append((session_id, seq, req.out_n))
         pool.trim(self.config.max_scope_tokens)
 
-    def _sync(self, ctx: DraftContext) -> Request:
+    def _sync(self, ctx: DraftContext) -> RequestIndex:
         """The request index of ``ctx``, holding exactly ``ctx.tokens``."""
         req = self._requests.get(ctx.state_key)
         if req is None:
@@ -338,7 +340,7 @@ class SuffixDrafter:
         return req
 
     @staticmethod
-    def _commit(req: Request, tokens: Sequence[int]) -> None:
+    def _commit(req: RequestIndex, tokens: Sequence[int]) -> None:
         """Index generated tokens: in the request index, and in the outputs index too when
         the request has one (its answer joins it as it is generated, as in arctic's global
         tree: concurrent requests draft from each other's answers)."""
@@ -370,7 +372,7 @@ class SuffixDrafter:
         victim = next((k for k in self._pools if k[1] == heavy and k not in keep), None)
         if victim is None:  # only indexes this request reads in that tenant: global LRU end
             victim = next((k for k in self._pools if k not in keep), next(iter(self._pools)))
-        del self._pools[victim]
+        self._pools.pop(victim)
 
     def _pools_for(self, ref: SessionRef) -> list[tuple[str, Pool]]:
         """``(level, index)`` of every history ``ref`` may read, narrowest first; the
@@ -381,9 +383,9 @@ class SuffixDrafter:
         for key in visible_keys(ref, cfg.scope):
             pool = self._pools.get(key)
             if pool is None:
-                pool = self._pools[key] = Pool(new_tree(self.backend, cfg.max_depth,
-                                                         cfg.max_tokens))
-            self._pools.move_to_end(key)
+                pool = Pool(new_tree(self.backend, cfg.max_depth, cfg.max_tokens))
+                self._pools.put(key, pool)
+            self._pools.touch(key)
             # A one-off request's session was never stored: nothing to load or remember.
             if not ref.ephemeral and ref.session_id not in pool.sessions:
                 missing.append(pool)
@@ -433,7 +435,7 @@ class SuffixDrafter:
             self._seq = (self._seq + 1) & 0x7FFFFFFF
             pool.add(session_id, self._seq, new, self.config.max_scope_tokens, lazy)
 
-    def _remember(self, ref: SessionRef, tokens: list[int], req: Request | None) -> None:
+    def _remember(self, ref: SessionRef, tokens: list[int], req: RequestIndex | None) -> None:
         """Keep a session's latest turn (and its index, to carry into the next request)."""
         key = (ref.tenant, ref.session_id)
         self._last_turn.put(key, tokens)
@@ -441,7 +443,7 @@ class SuffixDrafter:
         if req is not None and req.n == len(tokens):
             self._carry.put(key, req)
 
-    def _carried(self, ctx: DraftContext) -> Request | None:
+    def _carried(self, ctx: DraftContext) -> RequestIndex | None:
         """The session's previous request index when ``ctx.tokens`` extends its tokens."""
         if ctx.session is None:
             return None

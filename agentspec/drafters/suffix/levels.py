@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from agentspec.drafters.suffix.index import Speculation, Tree
 from agentspec.lru import LRU
+from agentspec.payoff.estimators import DecayedRatios
 from agentspec.tokens import common_prefix
 from agentspec.types import DraftContext, SessionRef
 
@@ -31,7 +32,7 @@ def visible_keys(ref: SessionRef, scope: str) -> list[tuple[str, ...]]:
     return [scope_key(ref, level) for level in SCOPES[: SCOPES.index(scope) + 1]]
 
 
-class Request:
+class RequestIndex:
     """One live request: its index and how many of its tokens the index holds."""
 
     def __init__(self, tokens: Sequence[int], ctx: DraftContext, tree: Tree) -> None:
@@ -83,7 +84,9 @@ class Calibration:
     PRIOR = 4.0  # pseudo-steps where accepted == score (ratio 1 before any evidence)
 
     def __init__(self) -> None:
-        self.sums: dict[tuple[str, int], list[float]] = {}
+        # The decayed sums [Σ accepted, Σ score] per cell (the draft gate's calibration
+        # keeps the same sums: one class, one formula).
+        self.cells: DecayedRatios[tuple[str, int]] = DecayedRatios()
 
     @staticmethod
     def key(level: str, match_len: int) -> tuple[str, int]:
@@ -93,8 +96,7 @@ class Calibration:
 
     def ratio(self, level: str, match_len: int) -> float:
         """Accepted tokens per unit of score at ``level`` for matches of this length."""
-        acc, score = self.sums.get(self.key(level, match_len), (0.0, 0.0))
-        return (acc + self.PRIOR) / (score + self.PRIOR)
+        return self.cells.ratio(self.key(level, match_len), self.PRIOR)
 
     def learn(self, cands: Sequence[tuple[str, Speculation]], committed: Sequence[int]) -> None:
         """Score each candidate against the committed tokens (a prefix of the truth)."""
@@ -102,9 +104,7 @@ class Calibration:
             if spec.parents is not None:
                 continue  # tree drafts: the chosen branch is unknown here
             n = common_prefix(spec.tokens, committed)
-            st = self.sums.setdefault(self.key(level, spec.match_len), [0.0, 0.0])
-            st[0] = st[0] * self.DECAY + n
-            st[1] = st[1] * self.DECAY + spec.score
+            self.cells.learn(self.key(level, spec.match_len), n, spec.score, self.DECAY)
 
 
 # Most tokens a read of a history index moves from its pending turns into its tree: a
@@ -200,9 +200,9 @@ class Pool:
 def lazy_levels(pools: list[tuple[str, Pool]]) -> list[bool]:
     """Which history levels a finished turn is added to lazily (see :class:`Pool`).
 
-    Finishing a turn indexes its new tokens once per level, ~2.5 us per token each: on
-    agent logs (~1,000 new tokens per turn) that was ~8 ms per turn at tenant scope, three
-    times all the drafting steps of the turn together. Two levels are usually not read:
+    Finishing a turn indexes its new tokens once per level: on agent logs, with long tool
+    results per turn, that cost more than all the drafting steps of the turn together.
+    Two levels are usually not read:
 
     * the session level, read only by a request that does not extend its session's
       previous turn (one that does carries that turn's index, which holds the session);

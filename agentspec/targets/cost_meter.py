@@ -1,0 +1,179 @@
+"""What the target's forwards cost: measured once per machine, tracked as the load changes.
+
+:class:`CostMeter` puts together the two halves the draft gate prices drafts with: the c(k,
+L) curves measured when the model loads and kept in the cost file
+(:class:`~agentspec.targets.cost_curves.CostCurves`, which owns the file), and the
+correction by the forwards timed since (:class:`~agentspec.targets.live_cost.LiveCost`,
+which also picks each forward's thread count). It times the measurement itself too: one
+forward per draft length on a cache of random keys and values, through the target's own
+scoring, so the curves price exactly the forwards requests run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.targets import costs
+from agentspec.targets.cost_curves import CostCurves, FormsProbe, Probe
+from agentspec.targets.costs import Curve
+from agentspec.targets.fingerprint import module_fingerprint
+from agentspec.targets.kv import ModelKV
+from agentspec.targets.live_cost import LiveCost
+
+
+class Scratchpad(Protocol):
+    """What :meth:`CostMeter.measure` times forwards on (the target's
+    :class:`~agentspec.targets.scoring.Scorer`)."""
+
+    def score(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` in one forward."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` positions."""
+        ...
+
+    def scratch(self, context: int,
+                gen: torch.Generator) -> contextlib.AbstractContextManager[None]:
+        """Score on a throwaway cache of ``context`` random positions inside."""
+        ...
+
+
+def cost_key(name: str, model: Any, dtype: str, device: str) -> str:
+    """The cost file's name: model (name and a fingerprint of its weights, so two models of
+    one name never share curves), dtype, device and machine."""
+    machine = f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr"
+    if device == "cuda":
+        machine = torch.cuda.get_device_name().replace(" ", "_")
+    fingerprint = f"{name}-{module_fingerprint(model)}"
+    return f"{fingerprint}-{dtype}-{device}-{machine}".replace("/", "_")
+
+
+class CostMeter:
+    """The target's measured cost curves and their live correction.
+
+    Args:
+        kv: The model and its cache (the cost file's key, the cache length of each timed
+            forward, the vocabulary of the measurement's random tokens).
+        name: The model's name.
+        dtype: The model's dtype.
+        probe: Times one forward per draft length at a context (the target's
+            ``measure_costs``).
+        forms: The model's product forms (``None``: none to choose, e.g. on a GPU).
+
+    Attributes:
+        curves: The measured c(k, L) curves and their file.
+        live: The live tracker, built on first use (it reads the cost file); ``None`` until
+            then.
+        measuring: Whether :meth:`measure` runs (its forwards are not observed).
+    """
+
+    def __init__(self, kv: ModelKV, name: str, dtype: str, probe: Probe,
+                 forms: FormsProbe | None = None) -> None:
+        self.kv = kv
+        # Measured at load, never in a request.
+        self.curves = CostCurves(name, cost_key(name, kv.model, dtype, kv.device),
+                                 kv.max_positions, probe, forms)
+        self.live: LiveCost | None = None
+        self.measuring = False
+
+    @property
+    def live_cost(self) -> LiveCost:
+        """The cost of a forward on the machine as loaded now: its prior is the measured
+        curves when the cost file has them (never measured here: a request must not wait
+        for a measurement), else the safe prior until :meth:`ensure` runs."""
+        if self.live is None:
+            self.live = LiveCost(threads=torch.get_num_threads())
+            if self.curves.stored() is not None:
+                self.live.set_prior(self._measured_cost, measured=True)
+        return self.live
+
+    def context_cost(self, k: int, context: int) -> float:
+        """c(k, L) now: the measured curves corrected by the forwards timed since."""
+        if k < 1 or context < 0:
+            raise ConfigError(f"context_cost needs k >= 1 and context >= 0, got {k}, {context}")
+        return self.live_cost.cost(k, context)
+
+    def verify_cost(self, k: int) -> float:
+        """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache."""
+        if k < 1:
+            raise ConfigError(f"verify_cost needs k >= 1, got {k}")
+        return costs.interpolate(self.curves.base_curve(), k)
+
+    def cost_curve(self) -> dict[int, float]:
+        """The measured c(k) points (seconds), measuring them if needed."""
+        return dict(self.curves.base_curve())
+
+    def ensure(self, progress: bool = False) -> dict[int, Curve]:
+        """Measure the curves the cost file lacks (with a progress line when ``progress``)
+        and make them :attr:`live_cost`'s prior."""
+        curves = self.curves.ensure(progress)
+        if not self.live_cost.measured:
+            self.live_cost.set_prior(self._measured_cost, measured=True)
+        return dict(curves)
+
+    def _measured_cost(self, k: int, context: int) -> float:
+        curves = self.curves.stored()
+        assert curves is not None  # the prior is set only once they are
+        return costs.at_context(curves, k, context)
+
+    @contextlib.contextmanager
+    def timed(self, rows: int, context: int) -> Iterator[None]:
+        """Run a verify forward over ``rows`` tokens at ``context`` cached positions with
+        the thread count :attr:`live_cost` picks for it, and tell it what the forward
+        took (nothing while :meth:`measure` runs)."""
+        if self.measuring:
+            yield
+            return
+        live, device = self.live_cost, self.kv.device
+        threads = live.threads_for(rows, context) if device == "cpu" else live.threads
+        before = torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            yield
+            if device == "cuda":
+                torch.cuda.synchronize()
+            live.observe(rows, context, threads, time.perf_counter() - t0)
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
+
+    def measure(self, pad: Scratchpad, context: int = costs.SHORT_CONTEXT,
+                repeats: int = 5, bar: Any = None) -> Curve:
+        """Time one forward over k tokens on a ``context``-position cache of random keys and
+        values (median of ``repeats``; ``bar``: a progress bar to advance, or None). No
+        prompt of ``context`` tokens is prefilled: attention costs the same whatever the
+        keys are."""
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.kv.vocab, (costs.COST_POINTS[-1],), generator=gen).tolist()
+        self.measuring = True
+        try:
+            with pad.scratch(context, gen):
+                pad.score(ids)  # warm-up
+                pad.rollback(len(ids))
+                curve: Curve = {}
+                for k in costs.COST_POINTS:
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        pad.score(ids[:k])
+                        if self.kv.device == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                        pad.rollback(k)
+                    curve[k] = sorted(times)[len(times) // 2]
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            self.measuring = False
+        return curve
