@@ -22,7 +22,6 @@ import torch
 
 from agentspec.drafters.gate import DraftGate
 from agentspec.errors import (
-    Cancelled,
     ConfigError,
     DraftError,
     PromptTooLongError,
@@ -44,7 +43,7 @@ from agentspec.interfaces import (
 from agentspec.penalties import PenaltyState, chain_prefixes, tree_prefixes
 from agentspec.requests import REQUESTS
 from agentspec.sampling import default_generator
-from agentspec.tokens import cut_at_stop
+from agentspec.stopping import Decode, StopChecker, certain_length, check_cancel
 from agentspec.types import (
     Draft,
     DraftContext,
@@ -63,7 +62,6 @@ from agentspec.verifiers.tree import (
     tree_rows,
 )
 
-Decode = Callable[[Sequence[int]], str]
 FeatureLink = tuple[Callable[[DraftContext, int, torch.Tensor], None], Callable[[], torch.Tensor]]
 
 
@@ -157,57 +155,6 @@ class _Wiring:
     max_positions: int | None
 
 
-class _StopChecker:
-    """Finds where the output must end: EOS, a stop string, or max_tokens.
-
-    Checked token by token within each committed block, so the result is exactly what
-    one-token-at-a-time decoding would stop at.
-    """
-
-    def __init__(
-        self, eos: set[int], stop: Sequence[str], decode: Decode | None, max_tokens: int
-    ) -> None:
-        if stop and decode is None:
-            raise ConfigError("stop strings need a decode function (a tokenizer)")
-        self.eos, self.stop, self.decode, self.max_tokens = eos, list(stop), decode, max_tokens
-
-    def cut(self, generated: list[int], block: list[int]) -> tuple[list[int], str | None]:
-        """Return the part of ``block`` to keep and the finish reason if the request ends.
-
-        The earliest end wins: a stop string completed by a token before an EOS in the same
-        block ends the output there, exactly as token-by-token decoding would.
-        """
-        kept = block[: self.max_tokens - len(generated)]
-        eos_at = next((i for i, tok in enumerate(kept) if tok in self.eos), None)
-        if eos_at is not None:
-            kept = kept[: eos_at + 1]
-        if self.stop and self.decode is not None and kept:
-            text = self.decode(generated + kept)
-            if any(s in text for s in self.stop):
-                # Find the first token whose prefix completes a stop string.
-                for i in range(len(kept)):
-                    t = self.decode(generated + kept[: i + 1])
-                    if any(s in t for s in self.stop):
-                        return kept[: i + 1], "stop"
-        if eos_at is not None:
-            return kept, "stop"
-        if len(generated) + len(kept) >= self.max_tokens:
-            return kept, "length"
-        return kept, None
-
-    def final_text(self, tokens: list[int]) -> str:
-        """Decoded output, cut before the first stop string."""
-        if self.decode is None:
-            return ""
-        return cut_at_stop(self.decode(tokens), self.stop)
-
-
-def _check_cancel(cancel: threading.Event | None) -> None:
-    """Raise :class:`Cancelled` once the caller set ``cancel``."""
-    if cancel is not None and cancel.is_set():
-        raise Cancelled("the request was cancelled")
-
-
 class SpeculativeDecoder:
     """Runs requests through a target, an optional drafter and a verifier.
 
@@ -283,7 +230,7 @@ class SpeculativeDecoder:
         """
         if self.decode is None:
             raise ConfigError("streaming needs a decode function (a tokenizer)")
-        checker = _StopChecker(set(), stop, self.decode, max_tokens)
+        checker = StopChecker(set(), stop, self.decode, max_tokens)
         emitted = 0
         gen = self.steps(prompt, max_tokens, stop, sampling, session, constraint, cancel)
         while True:
@@ -295,14 +242,7 @@ class SpeculativeDecoder:
                     yield final.text[emitted:]
                 return final
             text = checker.final_text(tokens)
-            safe = len(text)
-            if text.endswith("\ufffd"):
-                safe = len(text.rstrip("\ufffd"))
-            for s in stop:  # hold back a tail that is a prefix of a stop string
-                for n in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:n]):
-                        safe = min(safe, len(text[:safe]) - n)
-                        break
+            safe = certain_length(text, stop)
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
@@ -363,7 +303,7 @@ class SpeculativeDecoder:
                 part.begin_request(session, rng, request_id=rid)
             learner = wiring.learner
             stats = RequestStats(prompt_tokens=len(prompt))
-            checker = _StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
+            checker = StopChecker(self.eos_token_ids, stop, self.decode, max_tokens)
             t_start = time.perf_counter()
 
             # Prefill everything but the last prompt token: it is the first `pending` token,
@@ -375,7 +315,7 @@ class SpeculativeDecoder:
             keeps = (link is not None and wiring.feature_reuse is not None
                      and wiring.feature_reuse.reuse_keeps_features)
             scope = session.tenant if session is not None and (link is None or keeps) else None
-            _check_cancel(cancel)
+            check_cancel(cancel)
             # Only a caller that cancels needs a target taking `cancel` (HFTarget does), and
             # only a feature link a target taking `features`.
             kwargs: dict[str, object] = {"cancel": cancel} if cancel is not None else {}
@@ -392,7 +332,7 @@ class SpeculativeDecoder:
             generated: list[int] = []
             finish: str | None = None
             while finish is None:
-                _check_cancel(cancel)  # also right after a prefill that was one forward
+                check_cancel(cancel)  # also right after a prefill that was one forward
                 ctx = DraftContext(context, len(prompt), session, len(stats.steps), rid,
                                    sampling)
                 room = max_tokens - len(generated) - 1  # the verifier always adds one token

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from agentspec.errors import Cancelled, ConfigError
+from agentspec.errors import ConfigError
 from agentspec.models import load_model_and_tokenizer
+from agentspec.stopping import check_cancel
 from agentspec.targets import attention, costs, linear
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter
@@ -41,6 +42,7 @@ from agentspec.targets.scoring import Batch, Scorer
 #: tail's attention; 512 beat both one forward and smaller chunks on long agent tails
 #: (``docs/prefix-cache.md``).
 PREFILL_CHUNK = 512
+_CANCELLED = "the request was cancelled during its prefill"
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,6 @@ class TargetConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
-
-
-def _check_cancel(cancel: threading.Event | None) -> None:
-    """Raise :class:`Cancelled` once ``cancel`` is set (between prefill forwards)."""
-    if cancel is not None and cancel.is_set():
-        raise Cancelled("the request was cancelled during its prefill")
 
 
 class HFTarget:
@@ -246,11 +242,11 @@ class HFTarget:
         checked before each."""
         step = PREFILL_CHUNK if chunked else len(tokens)
         if len(tokens) <= step:
-            _check_cancel(cancel)
+            check_cancel(cancel, _CANCELLED)
             return self.scoring.feed(tokens, last_only=True)[-1]
         feats = []
         for start in range(0, len(tokens), step):
-            _check_cancel(cancel)
+            check_cancel(cancel, _CANCELLED)
             chunk = tokens[start : start + step]
             logits = self.scoring.feed(chunk, last_only=True)[-1]
             self.reuse.fed(chunk)  # in step with the cache: a cancelled prefill's fed
