@@ -30,6 +30,7 @@ from agentspec.drafters.gate import DraftGate
 from agentspec.engine import SpeculativeDecoder
 from agentspec.factory import build_drafter, build_engine, build_gate
 from agentspec.interfaces import Drafter, TurnStore
+from agentspec.lru import LRU
 from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.health import CountingStore
 from agentspec.storage.sessions import StoreConfig, persist_turn
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from agentspec.chat.api import ChatRuntime
 
 log = logging.getLogger(__name__)
+
+_MAX_ENGINES = 32  # distinct agent specs whose engines a runtime keeps
+
 
 class Runtime(BaseChatRuntime[GrammarConstraint]):
     """A loaded model plus the drafters, verifiers and store that serve it.
@@ -79,6 +83,10 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         # One draft gate per drafting policy, as drafters: its per-tenant calibration spans
         # requests (a gate built per request would start every request knowing nothing).
         self._gates: dict[tuple[DraftingPolicy, bool], DraftGate | None] = {}
+        # One engine per agent spec: an engine holds no request's state (that lives in
+        # agentspec.requests), so it lives as long as its parts and asks them what they can
+        # do once. Bounded: callers may pass many distinct specs.
+        self._engines: LRU[AgentSpec, SpeculativeDecoder] = LRU(_MAX_ENGINES)
         self._grammars: GrammarCompiler | None = None
         self.eos_ids: list[int] = eos_ids(self.tokenizer)
 
@@ -155,10 +163,16 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         return self._gates[key]
 
     def engine_for(self, spec: AgentSpec) -> SpeculativeDecoder:
-        """A decoder configured by ``spec``; its drafter and draft gate are the runtime's,
-        shared across calls (their state spans requests)."""
-        return build_engine(spec, self.target, self.drafter_for(spec), decode=self.decode,
-                            eos_token_ids=self.eos_ids, gate=self.gate_for(spec))
+        """The decoder configured by ``spec``, kept for the next request of the same spec;
+        its drafter and draft gate are the runtime's, shared by every spec of the same
+        drafting policy (their state spans requests)."""
+        engine = self._engines.touch(spec)
+        if engine is None:
+            engine = build_engine(spec, self.target, self.drafter_for(spec),
+                                  decode=self.decode, eos_token_ids=self.eos_ids,
+                                  gate=self.gate_for(spec))
+            self._engines.put(spec, engine)
+        return engine
 
     @property
     def grammars(self) -> GrammarCompiler:
