@@ -30,6 +30,7 @@ from adapters.openai_server.routes import add_routes
 from adapters.openai_server.schemas import now
 from adapters.openai_server.service import ChatService
 from agentspec.chat.api import ChatRuntime
+from agentspec.requests import REQUESTS
 from agentspec.storage.health import CountingStore
 from agentspec.targets.hf import HFTarget
 
@@ -66,6 +67,7 @@ def create_app(runtime: ChatRuntime, config: ServerConfig | None = None) -> Fast
     metrics = Metrics(model_name)
     if isinstance(runtime.target, HFTarget) and runtime.target.prefix_cache is not None:
         metrics.watch_prefix_cache(runtime.target.prefix_cache)
+    metrics.watch_requests(REQUESTS)
     turns = getattr(runtime, "turns", None)  # the embedded runtime's store (vLLM: none here)
     if isinstance(turns, CountingStore):
         metrics.watch_store(turns)

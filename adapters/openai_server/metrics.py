@@ -44,6 +44,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agentspec.requests import RequestStates
 from agentspec.storage.health import STORE_FAILURE_REASONS, CountingStore
 from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import RequestStats
@@ -185,6 +186,18 @@ class Metrics:
             PREFIX + "prefix_cache_disk_faults", "Prefix KV blocks on disk rejected on reading "
             "(signature, tokens or layout) and block writes that failed; each costs a "
             "recomputation, never an error.", self.model_name, ("kind",), disk))
+
+    def watch_requests(self, home: RequestStates) -> None:
+        """Expose the home of per-request state: requests holding state now, and those it
+        forgot because too many were live (requests that never ended: a leak shows here)."""
+        live = Gauge(PREFIX + "request_states", "Requests whose drafter, gate or verifier "
+                     "state is held now.", ("model_name",), registry=None)
+        live.labels(self.model_name).set_function(lambda: home.live)
+        self.registry.register(_WithoutCreated([live]))
+        self.registry.register(_ReadCounter(
+            PREFIX + "request_states_evicted", "Requests whose state was forgotten because "
+            "more were live than the home keeps (they never ended).", self.model_name, (),
+            lambda: {(): float(home.evicted)}))
 
     def watch_store(self, turns: CountingStore) -> None:
         """Expose the session store's failures (turns answered but not stored, stored

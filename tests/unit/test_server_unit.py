@@ -406,6 +406,20 @@ def test_metrics_prefix_cache_gauges_follow_the_store() -> None:
     assert samples[("agentspec:prefix_cache_budget_bytes", model)] == 4096
 
 
+def test_metrics_show_the_request_state_home() -> None:
+    from agentspec.requests import RequestStates
+
+    m, home = Metrics("m"), RequestStates(max_requests=1)
+    m.watch_requests(home)
+    model = frozenset({("model_name", "m")})
+    slot = home.slot("part")
+    slot.put("r1", 1)
+    slot.put("r2", 2)  # one more than the home keeps: r1 is forgotten
+    samples = _samples(m.render())
+    assert samples[("agentspec:request_states", model)] == 1
+    assert samples[("agentspec:request_states_evicted_total", model)] == 1
+
+
 def test_serve_default_prefix_budget_matches_the_library() -> None:
     from adapters.openai_server.cli import DEFAULT_PREFIX_CACHE_MB
     from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
