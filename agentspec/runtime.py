@@ -155,6 +155,18 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
             self._drafters[key] = build_drafter(spec, self.target, self.turns)
         return self._drafters[key]
 
+    def set_drafter(self, spec: AgentSpec, drafter: Drafter | None,
+                    gate: DraftGate | None = None) -> None:
+        """Serve ``spec``'s drafting policy with your own ``drafter`` (any
+        :class:`~agentspec.interfaces.Drafter`; verification stays the spec's, so output is
+        unchanged) and ``gate`` (``None``: every draft verified as drafted). Engines built
+        for the policy before are dropped."""
+        key = (spec.drafting, spec.tree_drafts)
+        self._drafters[key], self._gates[key] = drafter, gate
+        for cached in [s for s, _ in self._engines.items()
+                       if (s.drafting, s.tree_drafts) == key]:
+            self._engines.pop(cached)
+
     def gate_for(self, spec: AgentSpec) -> DraftGate | None:
         """The (shared) draft gate of ``spec``'s drafting policy (``None``: ungated)."""
         key = (spec.drafting, spec.tree_drafts)

@@ -10,8 +10,8 @@ after reused prefix KV. There transformers first copies keys and values once per
 head (``repeat_kv``: ~3x the cache, per layer, per forward), and at long contexts that copy
 can cost more than the attention itself (``docs/prefix-cache.md``).
 
-:func:`install` registers ``"agentspec_sdpa"``: the same SDPA kernel with ``enable_gqa``
-for those forwards and transformers' own function for everything else. PyTorch's CPU
+:func:`install_gqa_attention` registers ``"agentspec_sdpa"``: the same SDPA kernel with
+``enable_gqa`` for those forwards and transformers' own function for everything else. PyTorch's CPU
 kernel computes each query head against its shared key/value head exactly as against the
 copy, so logits are bit-identical (tested), and the lossless guarantee is unchanged. On
 CUDA, SDPA with a mask and ``enable_gqa`` can fall back to a slower kernel, so the target
@@ -49,7 +49,7 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
-def install(model: Any) -> bool:
+def install_gqa_attention(model: Any) -> bool:
     """Switch ``model`` from transformers' SDPA attention to :func:`gqa_sdpa_forward`.
 
     Only models that use ``"sdpa"`` and have grouped key/value heads change; others (eager,

@@ -122,9 +122,10 @@ class HFTarget:
         self.kv = ModelKV(model, device)
         forms = None
         if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
-            attention.install(model)
+            attention.install_gqa_attention(model)
             # A short draft's few rows in the product form measured fastest on this machine.
-            forms = FormsProbe(linear.install(model), lambda bar: linear.measure(model, bar=bar),
+            forms = FormsProbe(linear.install_product_forms(model),
+                               lambda bar: linear.measure(model, bar=bar),
                                linear.shapes(model))
         self.meter = CostMeter(self.kv, name, dtype,
                                lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar),

@@ -25,7 +25,7 @@ plain decoding, is tested as before):
 :func:`measure` times each form for every distinct fp32 layer shape of a model at the row
 counts of :data:`ROW_POINTS` and keeps the fastest (``linear`` unless another wins by
 :data:`MIN_GAIN`); a row count between two points takes the lower point's form.
-:func:`install` gives each ``nn.Linear`` a forward that asks the model's
+:func:`install_product_forms` gives each ``nn.Linear`` a forward that asks the model's
 :class:`ProductForms` which form to run. One-row forwards (plain decoding) always take
 ``linear``: the reference stays bit for bit what it was. Until a table is set (a model whose
 costs are never measured) every row count takes ``linear``.
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMS", "ROW_POINTS", "ProductForms", "install", "measure"]
+__all__ = ["FORMS", "ROW_POINTS", "ProductForms", "install_product_forms", "measure"]
 
 #: The product forms (see the module docstring); ``blockedN`` slices ``W`` by N rows.
 FORMS = ("linear", "transposed", "blocked128", "blocked512")
@@ -56,7 +56,7 @@ Table = dict[Shape, dict[int, str]]  # shape -> {row point: form}
 
 class ProductForms:
     """Which product form each (layer shape, row count) runs: one per model, shared by every
-    target built on it (:func:`install` creates it once and returns it after)."""
+    target built on it (:func:`install_product_forms` creates it once and returns it after)."""
 
     def __init__(self) -> None:
         self._table: Table = {}
@@ -155,7 +155,7 @@ def _groups(model: Any) -> dict[Shape, list[torch.nn.Linear]]:
     return groups
 
 
-def install(model: Any) -> ProductForms:
+def install_product_forms(model: Any) -> ProductForms:
     """Give every ``nn.Linear`` of ``model`` the measured-form forward; return the model's
     :class:`ProductForms` (created on the first call, the same one after).
 

@@ -35,6 +35,21 @@ def test_logged_runs_reuse_their_history_with_identical_output(
                 assert m["draft_tokens"] == 0 and m["forwards"] == m["generated"]
 
 
+def test_the_copy_ceiling_drafts_only_what_it_copies(embedded_target: HFTarget) -> None:
+    """The ceiling copies plain's answer where the tenant's text holds it: every draft
+    token is accepted, it takes no more forwards than the default, output identical."""
+    report = run(["plain", "suffix", "ceiling"], max_tokens=24, max_prompt=1400, turns=2,
+                 target=embedded_target, progress=False, reuse="on")
+    assert report["all_identical"]
+    for r in report["rows"]:
+        ceiling, default = r["methods"]["ceiling+reuse"], r["methods"]["suffix+reuse"]
+        assert ceiling["accepted_tokens"] == ceiling["draft_tokens"]
+        assert ceiling["forwards"] <= r["methods"]["plain+reuse"]["forwards"]
+    total = {n: sum(r["methods"][n]["forwards"] for r in report["rows"])
+             for n in ("ceiling+reuse", "suffix+reuse")}
+    assert total["ceiling+reuse"] <= total["suffix+reuse"]
+
+
 def test_the_live_tool_agent_reuses_the_models_own_answers(embedded_target: HFTarget) -> None:
     report = run(["plain", "suffix"], max_tokens=12, turns=3, workload="tool_agent",
                  target=embedded_target, progress=False)

@@ -75,6 +75,8 @@ def test_bad_settings_are_refused_before_loading_a_model() -> None:
         run(prefix_cache_bytes=0)
     with pytest.raises(BenchmarkError, match="nope"):
         run(methods=["plain", "nope"])
+    with pytest.raises(BenchmarkError, match="add 'plain'"):
+        run(methods=["suffix", "ceiling"])
 
 
 def test_drive_command_is_wired() -> None:

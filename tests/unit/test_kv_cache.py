@@ -47,17 +47,17 @@ def pair(tiny_model: torch.nn.Module) -> tuple[HFTarget, HFTarget]:
 def test_install_switches_gqa_models_only(tiny_model: torch.nn.Module) -> None:
     model = copy.deepcopy(tiny_model)
     model.set_attn_implementation("sdpa")
-    assert attention.install(model)
+    assert attention.install_gqa_attention(model)
     assert model.config._attn_implementation == attention.ATTENTION_NAME
     from transformers import LlamaConfig, LlamaForCausalLM
 
     mha = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=1, num_attention_heads=2,
                                        num_key_value_heads=2))
-    assert not attention.install(mha)  # no grouped heads: nothing to gain
+    assert not attention.install_gqa_attention(mha)  # no grouped heads: nothing to gain
     eager = copy.deepcopy(tiny_model)
     eager.set_attn_implementation("eager")
-    assert not attention.install(eager)
+    assert not attention.install_gqa_attention(eager)
 
 
 def _random_tree(rng: random.Random, n: int) -> list[int]:

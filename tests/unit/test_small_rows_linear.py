@@ -27,7 +27,7 @@ def test_every_form_matches_linear_and_one_row_is_untouched(form: str) -> None:
     for layer in _layers():
         ref = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         ref.load_state_dict(layer.state_dict())
-        forms = linear.install(layer)
+        forms = linear.install_product_forms(layer)
         forms.set({(layer.out_features, layer.in_features): dict.fromkeys(linear.ROW_POINTS,
                                                                            form)})
         for rows in (1, 2, 3, 5, 33, 64, 65):
@@ -59,11 +59,12 @@ def test_lookup_takes_the_lower_point_and_defaults_to_linear() -> None:
 
 def test_install_keeps_one_table_per_model_and_leaves_other_dtypes() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    forms = linear.install(model)
-    assert linear.install(model) is forms  # a second target on the model shares it
+    forms = linear.install_product_forms(model)
+    assert linear.install_product_forms(model) is forms  # a second target on the model shares it
     assert linear.shapes(model) == 2
     layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
-    linear.install(layer).set({(8, 16): dict.fromkeys(linear.ROW_POINTS, "transposed")})
+    forms = linear.install_product_forms(layer)
+    forms.set({(8, 16): dict.fromkeys(linear.ROW_POINTS, "transposed")})
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
@@ -122,4 +123,4 @@ def test_the_cpu_target_installs_it(tiny_target: HFTarget) -> None:
     layers = [m for m in tiny_target.model.modules() if type(m) is torch.nn.Linear]
     assert layers and all("forward" in vars(m) for m in layers)
     assert tiny_target.curves.forms is not None
-    assert tiny_target.curves.forms.forms is linear.install(tiny_target.model)
+    assert tiny_target.curves.forms.forms is linear.install_product_forms(tiny_target.model)

@@ -49,26 +49,42 @@ from workflows.bench.driven_sources import (
     tool_agent_sessions,
 )
 from workflows.bench.methods import method_spec
+from workflows.replay.ceiling import CopyCeilingDrafter
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, load_sessions
 
 METHODS = ("plain", "prompt_lookup", "suffix", "arctic_suffix")
 # Also accepted (not run by default): the session cache with its draft trees forced off
 # (the best index's chain) or on, to see what trees cost over long agent contexts, and
 # without its draft gate (every draft verified as drafted); and HVD (the session cache or the
-# EAGLE head per step) and the head alone, for models that ship a head.
-EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated", "hybrid", "model")
+# EAGLE head per step) and the head alone, for models that ship a head; and the copy ceiling:
+# at every step the longest continuation of plain's answer found verbatim in the tenant's
+# text (workflows.replay.ceiling), ungated, with the default's engine settings: what a cache
+# drafter that always picked the right copy would give through the same path. It needs
+# ``plain``, whose answer it copies: the plain variants run first in every turn.
+EXTRA_METHODS = ("suffix_chain", "suffix_tree", "suffix_ungated", "hybrid", "model", "ceiling")
 ALL_METHODS = METHODS + EXTRA_METHODS
 #: ``--reuse``: which prefix-reuse variants of every method run.
 REUSE = {"both": (True, False), "on": (True,), "off": (False,)}
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
           "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate",
-          "hybrid": "hybrid (HVD)", "model": "EAGLE head"}
+          "hybrid": "hybrid (HVD)", "model": "EAGLE head", "ceiling": "copy ceiling"}
 
 
 def _spec(method: str, max_draft: int) -> AgentSpec:
-    # ``suffix`` is the product's default drafter (AgentSpec()'s), with the bench's length.
-    return method_spec(method, max_draft=max_draft)
+    # ``suffix`` is the product's default drafter (AgentSpec()'s), with the bench's length;
+    # the ceiling runs with its engine settings and its own drafter (``_variant``).
+    return method_spec("suffix" if method == "ceiling" else method, max_draft=max_draft)
+
+
+def _variant(method: str, target: HFTarget, spec: AgentSpec) -> tuple[Runtime, Any]:
+    """The runtime of one variant and, for ``ceiling``, its copy-ceiling drafter."""
+    runtime = Runtime(target, store=None, default_spec=spec)
+    if method != "ceiling":
+        return runtime, None
+    ceiling = CopyCeilingDrafter("tenant")
+    runtime.set_drafter(spec, ceiling, gate=None)
+    return runtime, ceiling
 
 
 def select_turns(sessions: Sequence[ReplaySession], max_prompt: int, max_tokens: int,
@@ -124,6 +140,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     for m in methods:
         if m not in ALL_METHODS:
             raise BenchmarkError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+    if "ceiling" in methods and "plain" not in methods:
+        raise BenchmarkError("method 'ceiling' copies plain's answers: add 'plain' to methods")
     check_workload(workload)
     if reuse not in REUSE:
         raise BenchmarkError(f"reuse must be one of {', '.join(REUSE)}, got {reuse!r}")
@@ -143,6 +161,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     # weights, its own prefix store, drafters and draft gates, no session store), each turn
     # one Runtime.chat call with the turn's messages and tools, as a framework sends it.
     variants: dict[str, Runtime] = {}
+    ceilings: dict[str, CopyCeilingDrafter] = {}
     stores: dict[str, PrefixCache] = {}
     for m in methods:
         spec = _spec(m, max_draft)
@@ -152,18 +171,28 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
             tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store)
             if store is not None:
                 stores[name] = store
-            variants[name] = Runtime(tgt, store=None, default_spec=spec)
+            variants[name], ceiling = _variant(m, tgt, spec)
+            if ceiling is not None:
+                ceilings[name] = ceiling
     names = list(variants)
+    # With a ceiling, the plain variants answer first (the ceiling copies their answer).
+    leads = [n for n in names if n.split("+")[0] == "plain"] if ceilings else []
+    rotated = [n for n in names if n not in leads]
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     sess_out: dict[int, list[int]] = {}
     report: dict[str, Any] | None = None
     for sess, i, turn in _turns(sessions, turns, sess_out):
         k = len(rows)
-        shift = k % len(names)
+        shift = k % len(rotated)
         outs: dict[str, list[int]] = {}
         row: dict[str, Any] = {"session": sess.name, "turn": i, "methods": {}}
-        for name in names[shift:] + names[:shift]:  # rotate: nobody always runs first
+        # Rotate: nobody always runs first (but the plain variants a ceiling copies).
+        for name in leads + rotated[shift:] + rotated[:shift]:
+            if name in ceilings:
+                prompt, _ = variants[name].prompt_ids(list(turn.messages), turn.tools, None,
+                                                      turn.prefix)
+                ceilings[name].add(prompt, outs[leads[0]])
             ref = SessionRef(sess.ref.session_id, tenant=f"drive-{name.replace('+', '-')}")
             t0 = time.perf_counter()
             res = variants[name].chat(list(turn.messages), turn.tools, session=ref,
