@@ -42,7 +42,7 @@ def test_the_copy_ceiling_drafts_only_what_it_copies(embedded_target: HFTarget) 
                  target=embedded_target, progress=False, reuse="on")
     assert report["all_identical"]
     for r in report["rows"]:
-        ceiling, default = r["methods"]["ceiling+reuse"], r["methods"]["suffix+reuse"]
+        ceiling = r["methods"]["ceiling+reuse"]
         assert ceiling["accepted_tokens"] == ceiling["draft_tokens"]
         assert ceiling["forwards"] <= r["methods"]["plain+reuse"]["forwards"]
     total = {n: sum(r["methods"][n]["forwards"] for r in report["rows"])
