@@ -130,6 +130,9 @@ class HybridDrafter:
         self.policy_factory = policy_factory
         self.max_tenants = max_tenants
         self.gate = gate
+        # What the sub-drafters can do, asked once (not per step or request).
+        self._feature_model = model if isinstance(model, FeatureDrafter) else None
+        self._starters = tuple(p for p in (cache, model) if isinstance(p, RequestAware))
         self._policies: LRU[str, SourcePolicy] = LRU(max_tenants)  # tenant -> policy
         self._requests: Slot[_Request] = REQUESTS.slot("hybrid")
         self.wins: dict[str, int] = {CACHE: 0, MODEL: 0, NONE: 0}
@@ -220,13 +223,13 @@ class HybridDrafter:
     @property
     def wants_features(self) -> bool:
         """Whether the model drafter drafts from the target's hidden states (EAGLE)."""
-        return isinstance(self.model, FeatureDrafter) and self.model.wants_features
+        return self._feature_model is not None and self._feature_model.wants_features
 
     def observe_features(self, ctx: DraftContext, start: int, features: Any) -> None:
         """Forward the target's features to the model drafter every step, whichever source
         won, so its head's cache stays in step with the committed tokens."""
-        if isinstance(self.model, FeatureDrafter):
-            self.model.observe_features(ctx, start, features)
+        if self._feature_model is not None:
+            self._feature_model.observe_features(ctx, start, features)
 
     def policy_for(self, session: SessionRef | None) -> SourcePolicy:
         """The policy serving ``session``'s tenant (made on the tenant's first request)."""
@@ -244,6 +247,5 @@ class HybridDrafter:
     ) -> None:
         """Forward the request start to the sub-drafters that take it (this drafter's own
         request state starts with the request's first :meth:`propose`)."""
-        for part in (self.cache, self.model):
-            if isinstance(part, RequestAware):
-                part.begin_request(session, rng, request_id=request_id)
+        for part in self._starters:
+            part.begin_request(session, rng, request_id=request_id)
