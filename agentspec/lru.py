@@ -1,11 +1,11 @@
-"""The one bounded map: state kept per request, session or tenant that must not grow forever.
+"""The one bounded map: state kept per session or tenant that must not grow forever.
 
-Every part that keeps something per key beyond one call (a request's drafter state, a
-session's carried index, a tenant's calibration) keeps it in an :class:`LRU`: inserting or
-touching a key makes it the most recent, and once the map holds more than ``max_items``
-entries (or, with a ``weight``, more than ``max_weight`` in all) the least recently used
-ones are forgotten. ``evicted`` counts them, so a leak (requests that never end) shows as a
-number instead of as memory.
+Every part that keeps something per key beyond one request (a session's carried index, a
+tenant's calibration; per-request state lives in :mod:`agentspec.requests`, itself one
+``LRU`` of requests) keeps it in an :class:`LRU`: inserting or touching a key makes it the
+most recent, and once the map holds more than ``max_items`` entries (or, with a ``weight``,
+more than ``max_weight`` in all) the least recently used ones are forgotten. ``evicted``
+counts them, so a leak shows as a number instead of as memory.
 """
 
 from __future__ import annotations
@@ -91,6 +91,14 @@ class LRU(Generic[K, V]):
         value = self._data.get(key)
         if value is not None or key in self._data:
             self._data.move_to_end(key)
+        return value
+
+    def get_or_put(self, key: K, make: Callable[[], V]) -> V:
+        """The value of ``key`` made the most recent, or ``make()`` put under it first."""
+        value = self.touch(key)
+        if value is None:
+            value = make()
+            self.put(key, value)
         return value
 
     def put(self, key: K, value: V) -> None:

@@ -127,6 +127,15 @@ class Slot(Generic[V]):
             value = shares.get(self) if shares is not None else None
         return value  # type: ignore[return-value]
 
+    def get_or_put(self, key: Hashable, make: Callable[[], V]) -> V:
+        """This part's share of request ``key``, or ``make()`` stored as it first (the
+        request becomes the most recent either way)."""
+        with self.home.guard:
+            shares = self.home._live.get_or_put(key, dict)
+            if self not in shares:
+                shares[self] = make()
+            return shares[self]  # type: ignore[return-value]
+
     def put(self, key: Hashable, value: V) -> None:
         """Store this part's share of request ``key`` (the most recent request now)."""
         with self.home.guard:
@@ -155,8 +164,8 @@ class Slot(Generic[V]):
         return value
 
     def clear(self) -> None:
-        """Forget this part's share of every request (as if each had been evicted, without
-        ``on_drop``)."""
+        """Forget this part's share of every request (``on_drop`` is not called: the part
+        dropped them itself)."""
         for key, _ in list(self.items()):
             self.pop(key)
 

@@ -178,13 +178,9 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         """The decoder configured by ``spec``, kept for the next request of the same spec;
         its drafter and draft gate are the runtime's, shared by every spec of the same
         drafting policy (their state spans requests)."""
-        engine = self._engines.touch(spec)
-        if engine is None:
-            engine = build_engine(spec, self.target, self.drafter_for(spec),
-                                  decode=self.decode, eos_token_ids=self.eos_ids,
-                                  gate=self.gate_for(spec))
-            self._engines.put(spec, engine)
-        return engine
+        return self._engines.get_or_put(spec, lambda: build_engine(
+            spec, self.target, self.drafter_for(spec), decode=self.decode,
+            eos_token_ids=self.eos_ids, gate=self.gate_for(spec)))
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -46,9 +46,7 @@ from agentspec.types import (
     ContextCost,
     Draft,
     DraftContext,
-    SessionRef,
     VerifyResult,
-    state_key,
 )
 
 
@@ -135,11 +133,7 @@ class DraftGate:
         self._lock = threading.Lock()
 
     def _calibration(self, tenant: str) -> _Calibration:
-        cal = self._tenants.touch(tenant)
-        if cal is None:
-            cal = _Calibration()
-            self._tenants.put(tenant, cal)
-        return cal
+        return self._tenants.get_or_put(tenant, _Calibration)
 
     def length(self, draft: Draft, context: int, ratio: float) -> int:
         """Draft tokens worth verifying at ``context`` cached positions (0: none), for the
@@ -161,10 +155,7 @@ class DraftGate:
         with self._lock:
             ratio = self._calibration(tenant).ratio(bucket(draft.match_len), self.config.prior,
                                                    self.config.prior_ratio)
-            pending = self._pending.touch(ctx.state_key)
-            if pending is None:
-                pending = []
-                self._pending.put(ctx.state_key, pending)
+            pending = self._pending.get_or_put(ctx.state_key, list)
             pending.append(_Pending(len(ctx.tokens), draft, tenant))
             del pending[: -self.config.max_pending]
         k = self.length(draft, len(ctx.tokens), ratio)
@@ -189,11 +180,7 @@ class DraftGate:
                                                   p.draft.score, self.config.decay)
             pending[:] = keep
 
-    def end_request(self, request_id: str | None, session: SessionRef | None = None) -> None:
-        """Drop a request's unlabelled drafts (the engine's end of a request drops them
-        with the rest of its state: :mod:`agentspec.requests`)."""
-        self._pending.pop(state_key(request_id, session))
-
     def finish(self, ctx: DraftContext) -> None:
-        """Drop the request's unlabelled drafts (a drafter's end of request)."""
+        """Drop the request's unlabelled drafts (a drafter's end of request; the engine's
+        end of a request drops them with the rest of its state: :mod:`agentspec.requests`)."""
         self._pending.pop(ctx.state_key)

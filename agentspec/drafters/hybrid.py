@@ -235,12 +235,7 @@ class HybridDrafter:
         """The policy serving ``session``'s tenant (made on the tenant's first request)."""
         if self.policy_factory is None or session is None:
             return self.policy
-        tenant = session.tenant
-        pol = self._policies.touch(tenant)
-        if pol is None:
-            pol = self.policy_factory()
-            self._policies.put(tenant, pol)
-        return pol
+        return self._policies.get_or_put(session.tenant, self.policy_factory)
 
     def begin_request(
         self, session: SessionRef | None, rng: Any, request_id: str | None = None

@@ -73,13 +73,13 @@ def test_calibration_learns_per_tenant_and_per_bucket() -> None:
     draft = Draft.trusted([7, 8, 9, 10, 11, 12, 13, 14], None, 6.0, 1, "suffix")
     history = list(range(100, 4100))
     assert len(gate.cut(ctx(history, "r0"), draft).tokens) > 0  # trusted before evidence
-    gate.end_request("r0")
+    gate.finish(ctx(history, "r0"))
     # Tenant "t"'s one-token matches are always refuted at once: they stop being verified.
     for i in range(30):
         c = ctx(history, f"r{i}")
         gate.cut(c, draft)
         gate.observe(c, VerifyResult([99], 0))  # the model went elsewhere: label 0
-        gate.end_request(f"r{i}")
+        gate.finish(c)
     assert gate.cut(ctx(history, "x"), draft).tokens == []
     # Another bucket of the same tenant, and the same bucket of another tenant, are not
     # touched by what tenant "t" learned.
@@ -98,12 +98,12 @@ def test_a_new_tenant_is_trusted_with_caution_until_its_drafts_prove_right() -> 
     cautious = DraftGate(steep)  # the default prior ratio
     assert cautious.config.prior_ratio < 1.0
     assert len(cautious.cut(ctx(history, "a"), draft).tokens) < 16
-    cautious.end_request("a")
+    cautious.finish(ctx(history, "a"))
     for i in range(3):  # the tenant's drafts are right to the end: r rises towards 16/6
         c = ctx(history, f"r{i}")
         cautious.cut(c, draft)
         cautious.observe(c, VerifyResult([*draft.tokens, 0], 16))
-        cautious.end_request(f"r{i}")
+        cautious.finish(c)
     assert len(cautious.cut(ctx(history, "b"), draft).tokens) == 16
 
 
@@ -121,7 +121,7 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     y, s = gate._tenants["t"].sums[bucket(1)]
     assert (y, s) == (2.0, 4.0)
     gate.cut(later, draft)
-    gate.end_request("r")
+    gate.finish(later)
     assert ("id", "r") not in gate._pending
 
 

@@ -45,3 +45,18 @@ def test_bad_bounds_are_refused() -> None:
         LRU(max_items=0)
     with pytest.raises(ConfigError, match="weight function"):
         LRU(max_weight=5)
+
+
+def test_get_or_put_makes_a_missing_value_once_and_touches_a_present_one() -> None:
+    lru: LRU[str, list[int]] = LRU(max_items=2)
+    made: list[str] = []
+
+    def make() -> list[int]:
+        made.append("x")
+        return []
+
+    first = lru.get_or_put("a", make)
+    lru.put("b", [2])
+    assert lru.get_or_put("a", make) is first and made == ["x"]
+    lru.put("c", [3])  # "a" was touched last: "b" goes
+    assert list(lru) == ["a", "c"] and lru.evicted == 1

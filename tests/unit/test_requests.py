@@ -34,6 +34,14 @@ def test_parts_see_only_their_own_share_and_end_drops_every_share() -> None:
         _ = a[key]
 
 
+def test_get_or_put_makes_a_share_once() -> None:
+    home = RequestStates()
+    a, b = home.slot("a"), home.slot("b")
+    share = a.get_or_put("r", list)
+    assert a.get_or_put("r", list) is share and b.get("r") is None
+    assert b.get_or_put("r", dict) == {} and home.live == 1
+
+
 def test_a_request_popped_by_its_last_part_is_forgotten() -> None:
     home = RequestStates()
     a = home.slot("a")
