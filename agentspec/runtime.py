@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from agentspec.chat.api import ToolChoice
 from agentspec.chat.base import BaseChatRuntime, Decoded, TurnPlan
 from agentspec.chat.checks import check_stops
-from agentspec.chat.formats import ToolFormat, choose_tool_format
+from agentspec.chat.formats import ToolFormat, choose_tool_format, forces_call
 from agentspec.chat.grammar import GrammarCompiler, GrammarConstraint
 from agentspec.chat.grammar_sources import response_format_grammar
 from agentspec.chat.turn import ChatTurn
@@ -202,7 +202,7 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         Raises:
             GrammarError: a bad ``response_format``, tool schema or ``tool_choice``.
         """
-        forced = tool_choice not in (None, "auto", "none")
+        forced = forces_call(tool_choice)
         grammar = None
         fmt = self.tool_format
         if forced and spec.constrained_tool_calls:

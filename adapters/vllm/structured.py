@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats import ToolFormat, forces_call
 from agentspec.chat.grammar_sources import check_grammar, json_grammar, tool_call_grammar
 from agentspec.errors import GrammarError
 from agentspec.spec import AgentSpec
@@ -39,7 +39,7 @@ def structured_output_kwargs(
             :class:`~agentspec.chat.grammar_sources.GrammarLimitError`: a grammar or schema
             past the compile bounds.
     """
-    forced = tool_choice not in (None, "auto", "none")
+    forced = forces_call(tool_choice)
     if forced and spec.constrained_tool_calls:
         return {"grammar": _bounded(tool_call_grammar(tools, tool_choice, tool_format))}
     if not forced and response_format is not None:

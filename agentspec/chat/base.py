@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from agentspec.chat.api import ChatResult, ChatStream, chat_prompt_ids
-from agentspec.chat.formats import ToolFormat
+from agentspec.chat.formats import ToolFormat, forces_call
 from agentspec.chat.stream import ResultStream
-from agentspec.chat.turn import ChatTurn, ToolChoice, forces_call
+from agentspec.chat.turn import ChatTurn, ToolChoice
 from agentspec.spec import AgentSpec
 from agentspec.types import RequestStats, SamplingParams
 

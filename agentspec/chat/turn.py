@@ -19,17 +19,12 @@ from typing import Any
 from agentspec.spec import AgentSpec
 from agentspec.types import SamplingParams, SessionRef
 
-__all__ = ["ChatTurn", "ToolChoice", "forces_call"]
+__all__ = ["ChatTurn", "ToolChoice"]
 
 #: OpenAI's ``tool_choice``: ``None``/``"auto"`` (the model decides), ``"none"`` (no call),
 #: ``"required"``/``"any"`` (some call) or a tool's name (``"name"`` or
 #: ``{"type": "function", "function": {"name": ...}}``).
 ToolChoice = str | dict[str, Any] | None
-
-
-def forces_call(tool_choice: ToolChoice) -> bool:
-    """True when ``tool_choice`` forces a tool call (``"required"``/``"any"`` or a name)."""
-    return tool_choice not in (None, "auto", "none")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from agentspec.chat.formats.base import (
     ToolCall,
     ToolFormat,
     apply_template,
+    forces_call,
     tool_names,
 )
 from agentspec.chat.formats.fallback import FallbackFormat
@@ -33,7 +34,7 @@ from agentspec.errors import ConfigError
 
 __all__ = [
     "FORMATS", "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat",
-    "check_format_name", "choose_tool_format", "format_for", "tool_names",
+    "check_format_name", "choose_tool_format", "forces_call", "format_for", "tool_names",
 ]
 
 FORMATS: dict[str, type[ToolFormat]] = {

@@ -25,7 +25,7 @@ from agentspec.errors import ConfigError, GrammarError
 
 __all__ = [
     "InvalidToolCall", "ParsedOutput", "ToolCall", "ToolFormat", "forced_call_prefix",
-    "function_of", "json_rule", "parse_call_object", "tool_names",
+    "forces_call", "function_of", "json_rule", "parse_call_object", "tool_names",
 ]
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -140,6 +140,11 @@ def chosen_tool(tool_choice: Any) -> str | None:
     return None
 
 
+def forces_call(tool_choice: Any) -> bool:
+    """True when ``tool_choice`` forces a tool call (``"required"``/``"any"`` or a name)."""
+    return tool_choice not in (None, "auto", "none")
+
+
 def check_choice(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> str | None:
     """Validate ``tool_choice`` against the bound tools; return the forced name if any.
 
@@ -147,7 +152,7 @@ def check_choice(tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> st
         GrammarError: a forced choice without tools, or a name that is not bound.
     """
     names = tool_names(tools)
-    if tool_choice in (None, "auto", "none"):
+    if not forces_call(tool_choice):
         return None
     if not names:
         raise GrammarError(f"tool_choice={tool_choice!r} needs at least one bound tool")
@@ -171,7 +176,7 @@ def forced_call_prefix(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
         GrammarError: a forced choice without tools, or a name that is not bound.
     """
     name = check_choice(tools, tool_choice)
-    if tool_choice in (None, "auto", "none"):
+    if not forces_call(tool_choice):
         return ""
     head = opening + '{"name": "'
     return head if name is None else f'{head}{name}", "{args_key}": '

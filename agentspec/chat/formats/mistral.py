@@ -28,6 +28,7 @@ from agentspec.chat.formats.base import (
     call_from_parts,
     check_choice,
     forced_call_prefix,
+    forces_call,
     function_of,
     hold_for_tag,
     json_rule,
@@ -115,7 +116,7 @@ class MistralV11Format(MistralFormat):
 
     def forced_prefix(self, tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
         name = check_choice(tools, tool_choice)
-        if tool_choice in (None, "auto", "none"):
+        if not forces_call(tool_choice):
             return ""
         return TOOL_CALLS if name is None else TOOL_CALLS + name + ARGS
 
