@@ -159,6 +159,42 @@ def test_copy_ceiling_bounds_every_cache_drafter() -> None:
     assert rows["ceiling_session"]["steps"] > top["steps"]
 
 
+def test_matched_ceiling_lies_between_the_drafters_and_the_ceiling() -> None:
+    # A copy that must follow k matched context tokens is a copy: at most the ceiling; with
+    # more context demanded, fewer copies qualify.
+    sessions = _sessions()
+    rows = {r["method"]: r for r in replay_sessions(
+        sessions, ["ceiling_tenant", "ceiling_match1", "ceiling_match2", "ceiling_match8",
+                   "none"], 16)}
+    top, m1, m2, m8 = (rows[m]["steps"] for m in ("ceiling_tenant", "ceiling_match1",
+                                                  "ceiling_match2", "ceiling_match8"))
+    assert top <= m1 <= m2 <= m8 < rows["none"]["steps"]
+    assert rows["ceiling_match2"]["draft_acceptance"] == 1.0
+
+
+def test_matched_ceiling_needs_the_matched_context() -> None:
+    from agentspec.errors import ConfigError
+    from agentspec.types import DraftContext
+    from workflows.replay.ceiling import MatchedCopyCeilingDrafter
+    from workflows.replay.runner import check_method
+
+    ceiling = MatchedCopyCeilingDrafter(2)
+    prompt, answer = [7, 1, 2, 3, 4, 8, 5, 2, 9], [3, 4, 6]
+    ceiling.add(prompt, answer)
+    ctx = DraftContext(prompt, len(prompt), session=SessionRef("s"))
+    # "3 4" follows "1 2" in the prompt, but the context ends "5 2 9": no two-token match.
+    assert ceiling.propose(ctx, 8).tokens == []
+    one = MatchedCopyCeilingDrafter(1)
+    one.add([*prompt[:-1]], answer)
+    ctx = DraftContext(prompt[:-1], len(prompt) - 1, session=SessionRef("s"))
+    assert one.propose(ctx, 8).tokens == [3, 4]  # "2" is followed by "3 4" once
+    with pytest.raises(ConfigError, match="k must be"):
+        MatchedCopyCeilingDrafter(0)
+    for bad in ("ceiling_match0", "ceiling_matchx", "ceiling_galaxy"):
+        with pytest.raises(ConfigError, match=bad):
+            check_method(bad)
+
+
 def test_copy_ceiling_drafts_the_longest_copy_of_the_answer() -> None:
     from agentspec.errors import ConfigError
     from agentspec.types import DraftContext

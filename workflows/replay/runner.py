@@ -27,6 +27,9 @@ load hits them alike):
   session's (or the tenant's) cache could hold. Every row's ``ceiling_share`` is its
   accepted length over ``ceiling_tenant``'s when that method ran: how much of the copyable
   text the drafter's choice finds;
+* ``ceiling_match<k>`` (e.g. ``ceiling_match2``): the tenant ceiling restricted to copies
+  that follow an occurrence of the context's last ``k`` tokens, the occurrence picked by an
+  oracle: the bound of any drafter that continues a ``k``-token matched context;
 * ``none``: no drafter (1 token per step, speed-up 1.0).
 
 ``draft_us_p50`` / ``draft_us_p95`` time ``propose`` + ``observe`` of one step (the first
@@ -56,14 +59,30 @@ from agentspec.factory import build_drafter
 from agentspec.interfaces import Drafter
 from agentspec.spec import AgentSpec
 from agentspec.types import Draft, DraftContext, VerifyResult
-from workflows.replay.ceiling import CopyCeilingDrafter
+from workflows.replay.ceiling import MATCH_PREFIX, CopyCeilingDrafter, MatchedCopyCeilingDrafter
 from workflows.replay.logs import PACKAGED_TRACES, ReplaySession, ReplayTurn, load_sessions
 from workflows.report.markdown import markdown_table
 
 METHODS = ("agentspec", "suffix", "suffix_python", "suffix_chain", "arctic_suffix",
-           "prompt_lookup", "oracle", "ceiling_session", "ceiling_tenant", "none")
+           "prompt_lookup", "oracle", "ceiling_session", "ceiling_tenant", "ceiling_match1",
+           "ceiling_match2", "none")
 DEFAULT_METHODS = ("agentspec,suffix,suffix_chain,arctic_suffix,prompt_lookup,oracle,"
-                   "ceiling_session,ceiling_tenant,none")
+                   "ceiling_session,ceiling_tenant,ceiling_match2,none")
+
+
+def _match_k(method: str) -> int | None:
+    """``k`` of a ``ceiling_match<k>`` method name (any ``k >= 1``), else None."""
+    digits = method.removeprefix(MATCH_PREFIX)
+    if method.startswith(MATCH_PREFIX) and digits.isdigit() and int(digits) >= 1:
+        return int(digits)
+    return None
+
+
+def check_method(method: str) -> None:
+    """Raise :class:`ConfigError` naming ``method`` unless it is a replay method."""
+    if method not in METHODS and _match_k(method) is None:
+        raise ConfigError(f"unknown replay method {method!r}; choose from "
+                          f"{', '.join(METHODS)} (or ceiling_match<k>, k >= 1)")
 
 
 def make_drafter(method: str, max_draft: int) -> Drafter | None:
@@ -86,11 +105,13 @@ def make_drafter(method: str, max_draft: int) -> Drafter | None:
         return PromptLookupDrafter()
     if method == "oracle":
         return OracleDrafter()
-    if method.startswith("ceiling_"):
+    k = _match_k(method)
+    if k is not None:
+        return MatchedCopyCeilingDrafter(k)
+    if method in ("ceiling_session", "ceiling_tenant"):
         return CopyCeilingDrafter(method.removeprefix("ceiling_"))
-    if method == "none":
-        return None
-    raise ConfigError(f"unknown replay method {method!r}; choose from {', '.join(METHODS)}")
+    check_method(method)
+    return None
 
 
 def accepted(draft: Draft, truth: Sequence[int]) -> tuple[int, list[int]]:
@@ -368,8 +389,7 @@ def run_replay(
             measured on a quiet machine: measuring under load gives nonsense).
     """
     for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"unknown replay method {m!r}; choose from {', '.join(METHODS)}")
+        check_method(m)
     if gpu_step_ms <= 0:
         raise ConfigError(f"gpu_step_ms must be > 0, got {gpu_step_ms}")
     paths = list(paths) if paths else [PACKAGED_TRACES]
