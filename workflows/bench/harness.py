@@ -302,10 +302,22 @@ def write_results(report: dict[str, Any], steps: Iterable[dict[str, Any]], out: 
 
 
 def _warm_up(target: HFTarget, ctx: MethodContext) -> None:
-    """One short generate so the first measured method does not pay one-off costs."""
+    """One short generate, then one verification forward of every row count the product
+    forms are timed at and one small tree, so the first measured method does not pay
+    one-off costs: a row count's first forward costs 1.5-2x its later ones (kernel set-up),
+    and which method first verifies 2, 5 or 33 rows would otherwise pay it for the rest."""
+    from agentspec.targets.linear import ROW_POINTS
+
     ids = render_prompt(target.tokenizer, [{"role": "user", "content": "Hello"}])
     with torch.inference_mode():
         target.model.generate(
             torch.tensor([ids], device=target.device), max_new_tokens=4, do_sample=False,
             pad_token_id=ctx.eos_ids[0],
         )
+        target.prefill(ids)  # no scope: nothing of the warm-up is kept for reuse
+        for rows in (1, *ROW_POINTS):
+            target.score(ids[:1] * rows)  # [rows, V]
+            target.rollback(rows)
+        target.score_tree(ids[:4], [-1, 0, 0, 1])  # [4, V]
+        target.keep_tree_path([1])
+        target.prefill(ids[:1])
