@@ -31,7 +31,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
                         "trajectories)")
     p.add_argument("--methods", type=_methods, default=_methods(DEFAULT_METHODS),
                    help=f"comma-separated methods (default: {DEFAULT_METHODS}; also "
-                        "suffix_python)")
+                        "suffix_python, and ceiling_match<k> for any k >= 1: the copy "
+                        "ceiling of a drafter that needs k tokens of matched context)")
     p.add_argument("--max-draft", type=int, default=32, help="longest draft (default 32)")
     p.add_argument("--model", default=None,
                    help="target whose chat template, tool format and c(k) are used: a "
