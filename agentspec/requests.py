@@ -139,11 +139,8 @@ class Slot(Generic[V]):
     def put(self, key: Hashable, value: V) -> None:
         """Store this part's share of request ``key`` (the most recent request now)."""
         with self.home.guard:
-            shares = self.home._live.touch(key)
-            if shares is None:
-                shares = {}
-                self.home._live.put(key, shares)  # may forget the least recent request
-            shares[self] = value
+            # A new request may forget the least recent one (the home's bound).
+            self.home._live.get_or_put(key, dict)[self] = value
 
     def pop(self, key: Hashable) -> V | None:
         """Remove and return this part's share of ``key`` (``None`` when it had none); a
