@@ -45,6 +45,15 @@ _Grams = dict[tuple[int, ...], list[tuple[int, int]]]
 MATCH_PREFIX = "ceiling_match"
 
 
+def _scope_key(ctx: DraftContext, scope: str) -> tuple[str, ...]:
+    """Whose text a request may copy from: its tenant's, or its session's within the tenant
+    (``scope``); a request without a session copies only from itself."""
+    s = ctx.session
+    if s is None:
+        return ("request", str(ctx.request_id))
+    return (s.tenant,) if scope == "tenant" else (s.tenant, s.session_id)
+
+
 class _Chains:
     """The text one scope's cache could hold, as chains of turns (module docstring): a
     context that extends a chain appends its new tokens to it, any other starts a chain.
@@ -91,15 +100,9 @@ class CopyCeilingDrafter(OracleDrafter):
         # Per scope key: the index and the chains of turns it holds.
         self._texts: dict[tuple[str, ...], tuple[SuffixIndex, _Chains]] = {}
 
-    def _key(self, ctx: DraftContext) -> tuple[str, ...]:
-        s = ctx.session
-        if s is None:
-            return ("request", str(ctx.request_id))
-        return (s.tenant,) if self.scope == "tenant" else (s.tenant, s.session_id)
-
     def _index(self, ctx: DraftContext) -> SuffixIndex:
         """The scope's index, extended to hold every token of ``ctx``."""
-        key = self._key(ctx)
+        key = _scope_key(ctx, self.scope)
         text = self._texts.get(key)
         if text is None:
             # Only root walks are used: the counts' depth (1 + 1) keeps appends cheap.
@@ -141,11 +144,11 @@ class MatchedCopyCeilingDrafter(OracleDrafter):
         self.name = f"{MATCH_PREFIX}{k}"
         # Per tenant: the chains, and every position by the k tokens ending before it
         # (k-gram -> [(chain, position)]): the copies a k-token context can continue.
-        self._texts: dict[str, tuple[_Chains, _Grams]] = {}
+        self._texts: dict[tuple[str, ...], tuple[_Chains, _Grams]] = {}
 
     def _text(self, ctx: DraftContext) -> tuple[_Chains, _Grams]:
         """The tenant's chains and k-gram positions, extended to hold ``ctx``."""
-        key = ctx.session.tenant if ctx.session is not None else f"request:{ctx.request_id}"
+        key = _scope_key(ctx, "tenant")
         text = self._texts.get(key)
         if text is None:
             grams: _Grams = {}
