@@ -156,5 +156,14 @@ predictor: venv
 		$(if $(wildcard ../shared/data),--data ../shared/data,) \
 		--out agentspec/payoff/default_predictor.json --report results/predictor.json
 
+# The GPU check on a CUDA machine (scripts/gpu_check.sh; its header lists the knobs): the quick
+# bench in float32 and twice in bfloat16, a driven agent session, one summary table, all within
+# DEADLINE_S (480 s); results in OUT_DIR (results/gpu_check). No venv here: it uses the system
+# python3 when its torch sees the GPU (a machine without a package index, staged with
+# scripts/gpu_stage/pack.sh as docs/gpu.md says).
+.PHONY: gpu-check
+gpu-check:
+	bash scripts/gpu_check.sh
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -518,7 +518,10 @@ class SpeculativeDecoder:
     def _tree_ok(self, sampling: SamplingParams) -> bool:
         """Whether a tree draft can be verified as a tree: strict greedy decoding (trees
         under sampling would need a tree-aware acceptance rule) on a target that scores
-        trees or batches. Otherwise the tree's first branch is verified as a chain."""
+        trees or batches, and whose forwards are not shape-stable (a tree's nodes would not
+        get their chain's bits there). Otherwise the tree's first branch is verified as a
+        chain."""
         wiring = self._wiring
         return (sampling.greedy and self.verifier.lossless
+                and not getattr(self.target, "shape_stable", False)
                 and (wiring.tree is not None or wiring.batch is not None))

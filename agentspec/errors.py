@@ -75,3 +75,8 @@ class Cancelled(AgentSpecError):
 class GrammarError(ConfigError):
     """A grammar (JSON schema, response_format, tool schema) that cannot constrain
     decoding, or a constrained decode that left the grammar."""
+
+
+class DeviceUnavailableError(ConfigError):
+    """A device was asked for (``--device cuda``, ``TargetConfig(device="cuda")``) that this
+    machine does not have; the message names the value and what is available."""

@@ -158,6 +158,10 @@ class PenaltyState:
             at = (torch.tensor(r_idx, dtype=torch.long), torch.tensor(c_idx, dtype=torch.long))
             count.index_put_(at, torch.ones(len(r_idx)), accumulate=True)
             seen[at] = True
+        # The counts live on the CPU; the penalised cells go where the logits are (a no-op
+        # for the target's logits, which come back to the CPU).
+        dev = logits.device
+        cols, count, seen = cols.to(dev), count.to(dev), seen.to(dev)
         with torch.inference_mode():  # the target's logits are inference tensors
             raw = logits[:, cols].float()  # [R, C]
             logits[:, cols] = penalise_cells(raw, count, seen, self.sampling).to(logits.dtype)

@@ -35,7 +35,6 @@ from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.storage.health import CountingStore
 from agentspec.storage.sessions import StoreConfig, persist_turn
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 from agentspec.tokens import eos_ids
 
 if TYPE_CHECKING:
@@ -110,8 +109,9 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
         tool_format: str | None = None,
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_cache_bytes: int | None = None,
         prefix_spill_bytes: int = 0,
+        device: str = "auto",
     ) -> Runtime:
         """Load a model and open the session store.
 
@@ -127,13 +127,18 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
             tool_format: The model's tool-call format (default: chosen from its chat
                 template, see :func:`agentspec.chat.formats.choose_tool_format`).
             prefix_cache_bytes: Memory for prompt prefixes' KV reused across a tenant's
-                requests (``docs/prefix-cache.md``); 0 disables prefix reuse.
+                requests (``docs/prefix-cache.md``); 0 disables prefix reuse; ``None`` (the
+                default) sizes it from the memory available on the model's device.
             prefix_spill_bytes: Disk for copies of that KV under ``AGENTSPEC_HOME`` (reused
                 after a restart); 0 keeps it in memory only.
+            device: ``auto`` (CUDA when available, else the CPU), ``cpu`` or ``cuda``.
+
+        Raises:
+            DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
         """
         from agentspec.storage.sessions import open_store
 
-        target = HFTarget.load(TargetConfig(model=model, dtype=dtype,
+        target = HFTarget.load(TargetConfig(model=model, dtype=dtype, device=device,
                                             prefix_cache_bytes=prefix_cache_bytes,
                                             prefix_spill_bytes=prefix_spill_bytes))
         return cls(target, open_store(store, store_config), default_spec, tool_format)

@@ -103,8 +103,11 @@ def normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
-    """One draw per row: ``[..., V]`` probabilities -> ``[...]`` token ids."""
-    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    """One draw per row: ``[..., V]`` probabilities -> ``[...]`` token ids.
+
+    The draw runs where ``rng`` lives (request generators are CPU ones): ``probs`` is moved
+    there first, a no-op when it already is."""
+    flat = probs.reshape(-1, probs.shape[-1]).to(rng.device)  # [N, V]
     out = torch.multinomial(flat, 1, generator=rng).squeeze(-1)  # [N]
     return out.reshape(probs.shape[:-1])
 
@@ -152,7 +155,7 @@ def draft_probs(draft_tokens: torch.Tensor, probs: torch.Tensor | None, vocab: i
         return one_hot(draft_tokens, vocab)
     if tuple(probs.shape) != (k, vocab):
         raise DraftError(f"draft probs must have shape ({k}, {vocab}), got {tuple(probs.shape)}")
-    q = probs.float()
+    q = probs.float().to(draft_tokens.device)  # where the verifier works (the CPU)
     if k and bool((q.gather(1, draft_tokens.long()[:, None]) <= 0).any()):
         raise DraftError("draft probs give zero mass to a drafted token")
     return q

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
-from agentspec.cli.args import non_negative_int, positive_int
+from agentspec.cli.args import add_device_arg, non_negative_int, positive_int
 from agentspec.errors import AgentSpecError
 
-# agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB (a unit test checks it);
+# agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB, the floor of the default
+# (auto-sized) budget (a unit test checks it);
 # not imported here: that module pulls in torch, and a refused bind must fail in ms.
 DEFAULT_PREFIX_CACHE_MB = 1024
 
@@ -57,7 +58,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    choices=["hermes", "llama3_json", "mistral", "mistral_v11", "fallback"],
                    help="the model's tool-call format (default: chosen from its chat template)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
+                   help="float32 or bfloat16: both exact against plain decoding in the "
+                        "same precision (bf16 through shape-stable forwards, docs/gpu.md)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the model's)")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
@@ -97,10 +99,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    metavar="S",
                    help="a generation running longer stops and is answered with what it has, "
                         "finish_reason 'length', its turn not stored (0: no limit; default 600)")
-    p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+    add_device_arg(p)
+    p.add_argument("--prefix-cache-mb", type=non_negative_int, default=None,
                    metavar="MB",
                    help="memory for prompt prefixes' KV reused across a tenant's requests "
-                        f"(MiB; 0 disables prefix reuse; default {DEFAULT_PREFIX_CACHE_MB})")
+                        "(MiB; 0 disables prefix reuse; default: a quarter of the memory "
+                        f"available on the model's device, {DEFAULT_PREFIX_CACHE_MB} MiB to "
+                        "8 GiB; see docs/prefix-cache.md)")
     p.add_argument("--prefix-cache-disk-mb", type=non_negative_int, default=0, metavar="MB",
                    help="disk for copies of the prefix KV under AGENTSPEC_HOME/prefix-kv, so "
                         "sessions reuse it after a restart (MiB; default 0: memory only)")
@@ -150,9 +155,10 @@ def run_serve(args: argparse.Namespace) -> int:
                          max_tokens_per_tenant=args.tenant_max_tokens,
                          max_total_tokens=args.store_max_tokens)
     try:
+        budget = None if args.prefix_cache_mb is None else args.prefix_cache_mb << 20
         runtime = Runtime.load(args.model, dtype=args.dtype, store=store, store_config=quotas,
-                               tool_format=args.tool_format,
-                               prefix_cache_bytes=args.prefix_cache_mb << 20,
+                               tool_format=args.tool_format, device=args.device,
+                               prefix_cache_bytes=budget,
                                prefix_spill_bytes=args.prefix_cache_disk_mb << 20)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)

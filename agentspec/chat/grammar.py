@@ -162,7 +162,7 @@ class GrammarConstraint:
         # first use and recompiles per shape on CPU, seconds per step on this machine.
         packed = self._masks.numpy().view(np.uint8)
         bits = np.unpackbits(packed, axis=1, bitorder="little").view(np.bool_)
-        forbidden = ~torch.from_numpy(bits[:, : logits.shape[1]])
+        forbidden = ~torch.from_numpy(bits[:, : logits.shape[1]]).to(logits.device)
         with torch.inference_mode():  # the target's logits are inference tensors
             logits.masked_fill_(forbidden, float("-inf"))
         self.stats.apply_s += time.perf_counter() - t0

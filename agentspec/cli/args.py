@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["csv_list", "non_negative_int", "positive_int"]
+__all__ = ["DEVICES", "add_device_arg", "csv_list", "non_negative_int", "positive_int"]
+
+#: What ``--device`` takes (``TargetConfig.device``).
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device auto|cpu|cuda`` (default ``auto``) to a command that loads a model;
+    ``cuda`` on a machine without CUDA fails with
+    :class:`~agentspec.errors.DeviceUnavailableError` when the model loads."""
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs: auto (CUDA when available, else the "
+                             "CPU; default), cpu or cuda (an error without CUDA)")
 
 
 def csv_list(value: str) -> list[str]:

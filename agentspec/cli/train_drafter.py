@@ -11,42 +11,34 @@ Extra traces (``--traces``, JSONL) hold one sequence per row, either as text,
 token ids of the target's tokenizer, ``{"tokens": [...], "prompt_len": 12, "model": "..."}``
 (teacher-forced from the last prompt token on; ``model``, when present, must name the
 target).
+
+``--kind eagle --device DEV`` runs the self-distillation recipe instead; its options and
+its run live in :mod:`agentspec.training.eagle_scale_run`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from agentspec.errors import TrainingDataError
+from agentspec.errors import ConfigError, TrainingDataError
 from agentspec.tokens import eos_ids
-from agentspec.training.corpus import TeacherSeq
+from agentspec.training.corpus import DrafterData, TeacherSeq
 from agentspec.training.drafter import TrainDrafterConfig
+from agentspec.training.eagle_scale_run import add_self_distill_arguments, run_self_distill
 
-__all__ = ["DrafterData", "add_train_drafter_parser", "read_teacher_traces", "run_train_drafter"]
-
-
-class DrafterData(Protocol):
-    """The workload data ``train-drafter`` learns from (the ``workflows`` package's, handed in
-    by the console script: training never imports the benchmark harness)."""
-
-    def folder(self, explicit: str | os.PathLike[str] | None) -> Path:
-        """The data folder: ``explicit`` (``--data``) when given, else the default one."""
-        ...
-
-    def documents(self, folder: Path, seed: int) -> list[tuple[str, str]]:
-        """(user message, assistant text) pairs to teacher-force, shuffled by ``seed``."""
-        ...
-
-    def held_out_prompts(self) -> list[str]:
-        """Benchmark prompts the drafter must never train on."""
-        ...
+__all__ = [
+    "DrafterData",
+    "add_train_drafter_parser",
+    "read_teacher_traces",
+    "run_self_distill",
+    "run_train_drafter",
+]
 
 
 def add_train_drafter_parser(sub: Any) -> None:
@@ -79,7 +71,9 @@ def add_train_drafter_parser(sub: Any) -> None:
     p.add_argument("--traces", type=Path, default=None, help="extra traces, JSONL (see module doc)")
     p.add_argument("--prompts", type=int, default=d.prompts,
                    help=f"chat prompts the target answers, as time allows (default {d.prompts})")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"longest teacher answer (default {d.max_new_tokens}; with --device "
+                        "256)")
     p.add_argument("--layers", type=int, default=d.num_layers,
                    help=f"target layers copied into the drafter (default {d.num_layers})")
     p.add_argument("--rank", type=int, default=d.rank, help=f"LoRA rank (default {d.rank})")
@@ -98,6 +92,7 @@ def add_train_drafter_parser(sub: Any) -> None:
                         "starting fresh (e.g. a second run with --teacher-cache)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_self_distill_arguments(p)
 
 
 def read_teacher_traces(path: Path, tokenizer: Any, target_name: str, vocab: int,
@@ -162,10 +157,16 @@ def run_train_drafter(args: argparse.Namespace, data: DrafterData) -> int:
     from agentspec.models import agentspec_home, load_model_and_tokenizer
     from agentspec.training.drafter import save_artifact, train_student
 
+    if getattr(args, "device", None) is not None:
+        if args.kind != "eagle":
+            raise ConfigError("--device runs the EAGLE self-distillation recipe: use it "
+                              "with --kind eagle")
+        return run_self_distill(args, data)
     cfg = TrainDrafterConfig(
         minutes=args.minutes, num_layers=args.layers, rank=args.rank,
         draft_vocab=args.draft_vocab, prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, steps=args.steps, seed=args.seed,
+        max_new_tokens=args.max_new_tokens or TrainDrafterConfig.max_new_tokens,
+        steps=args.steps, seed=args.seed,
     )
     torch.manual_seed(cfg.seed)
     start = time.monotonic()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentspec.cli.args import positive_int
+from agentspec.cli.args import add_device_arg, positive_int
 from agentspec.training.payoff_traces import SessionSource, TraceSpec
 
 _DEFAULT_WORKLOADS = ",".join(TraceSpec().workloads)
@@ -41,6 +41,7 @@ def add_train_predictor_parser(sub: Any) -> None:
                         "$AGENTSPEC_HOME/payoff/<model>.json)")
     p.add_argument("--report", type=Path, default=None,
                    help="also write the training report (JSON) here")
+    add_device_arg(p)
     p.add_argument("--model", default=None,
                    help="target model: a shipped model's name (default: embedded) or a "
                         "local HF folder")
@@ -100,7 +101,7 @@ def run_train_predictor(args: argparse.Namespace, sessions: SessionSource) -> in
     progress = not args.no_progress
     if args.traces is not None:
         read_traces(args.traces)  # empty / malformed files fail before the model loads
-    target = HFTarget.load(TargetConfig(model=args.model))
+    target = HFTarget.load(TargetConfig(model=args.model, device=args.device))
     fingerprint = tokenizer_fingerprint(target.tokenizer)
     if args.traces is not None:
         path = args.traces

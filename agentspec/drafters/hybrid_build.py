@@ -37,8 +37,10 @@ def load_model_drafter(target: Target, model: str | None = None, max_tokens: int
     if model is not None:
         from agentspec.drafters.model.causal import ModelDrafter, ModelDrafterConfig
 
+        # The draft model runs where the target does (the target owns the device).
         return ModelDrafter.load(model, ModelDrafterConfig(max_tokens=max_tokens),
-                                 vocab_size=target.vocab_size)
+                                 vocab_size=target.vocab_size,
+                                 device=str(getattr(target, "device", "cpu")))
     from agentspec.drafters.model.eagle import EagleConfig, eagle_path, load_eagle
 
     path = eagle_path(target.name)

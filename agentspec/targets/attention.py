@@ -16,16 +16,59 @@ kernel computes each query head against its shared key/value head exactly as aga
 copy, so logits are bit-identical (tested), and the lossless guarantee is unchanged. On
 CUDA, SDPA with a mask and ``enable_gqa`` can fall back to a slower kernel, so the target
 installs it on CPU only.
+
+One-row forwards (plain decoding steps) and shape-stable decode forwards
+(:mod:`agentspec.targets.stable`, while :data:`STABLE_STEP` is set) on the CPU take
+:func:`stable_attention` instead: plain matrix products
+and a softmax per row, with the query heads of a group stacked as rows of one product.
+PyTorch's CPU SDPA kernel takes another branch for one or two query rows than for more,
+so a row's bits would depend on how many rows share its forward, and for one query row it
+splits the keys between threads, so its bits depend on the thread count (which the live
+cost lowers on a loaded machine). These products give a row the same bits for any row
+count, any thread count, and any key length that is a multiple of 512 (tested), so a
+one-row plain step needs no padding rows.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 
 #: The name under which the attention function (and its mask builder) is registered.
 ATTENTION_NAME = "agentspec_sdpa"
+
+
+#: Set while a shape-stable decode forward runs: attention takes :func:`stable_attention`.
+STABLE_STEP: ContextVar[bool] = ContextVar("agentspec_stable_step", default=False)
+
+
+def stable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None,
+                     scaling: float | None = None) -> torch.Tensor:
+    """Row-invariant attention: query ``[B, H, q, d]``, key and value ``[B, kv_heads, n,
+    d]``, a mask ``[B, 1, q, n]`` (additive, or boolean with True where a query attends);
+    returns ``[B, q, H, d]``.
+
+    The ``g = H / kv_heads`` query heads sharing a key/value head are stacked as the rows
+    of one product against it (no copy of the cache per query head); the softmax runs in
+    fp32."""
+    b, h, q, d = query.shape
+    kv, n = key.shape[1], key.shape[-2]
+    g = h // kv
+    scale = d ** -0.5 if scaling is None else scaling
+    rows = query.reshape(b, kv, g * q, d)  # [B, kv, g*q, d]: a group's heads as rows
+    scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, h, q, n).float() * scale
+    if attention_mask is not None:
+        mask = attention_mask[..., :n]
+        if mask.dtype == torch.bool:  # transformers' SDPA masks: True = attend
+            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        else:  # additive
+            scores = scores + mask.float()  # [B, H, q, n]
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs.view(b, kv, g * q, n), value)  # [B, kv, g*q, d]
+    return out.view(b, h, q, d).transpose(1, 2).contiguous()
 
 
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -37,6 +80,12 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     ``([B, q, H, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    if (STABLE_STEP.get() or query.shape[2] == 1) and not special and dropout == 0.0:
+        # One query row (a plain step): PyTorch's CPU SDPA splits the keys by thread for a
+        # single query, so its bits depend on the thread count, which the live cost lowers
+        # on a loaded machine; these products do not.
+        return stable_attention(query, key, value, attention_mask, scaling), None
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     plain = (attention_mask is None or query.shape[2] == 1 or groups == 1
              or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
@@ -49,11 +98,12 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
-def install_gqa_attention(model: Any) -> bool:
+def install_gqa_attention(model: Any, always: bool = False) -> bool:
     """Switch ``model`` from transformers' SDPA attention to :func:`gqa_sdpa_forward`.
 
-    Only models that use ``"sdpa"`` and have grouped key/value heads change; others (eager,
-    flash, models without GQA) keep what they have.
+    Only models that use ``"sdpa"`` and have grouped key/value heads change (with
+    ``always``, models without grouped heads too: one-row and shape-stable steps take
+    :func:`stable_attention`); others (eager, flash) keep what they have.
 
     Returns:
         Whether the model now uses ``"agentspec_sdpa"``.
@@ -66,7 +116,7 @@ def install_gqa_attention(model: Any) -> bool:
         return False
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not heads or heads == kv_heads:
+    if not heads or (heads == kv_heads and not always):
         return False
     AttentionInterface.register(ATTENTION_NAME, gqa_sdpa_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

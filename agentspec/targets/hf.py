@@ -15,6 +15,7 @@ scoring, with the cache's state explicit) and :class:`~agentspec.targets.cost_me
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,18 +23,19 @@ from typing import Any
 
 import torch
 
-from agentspec.errors import ConfigError
+from agentspec.errors import ConfigError, DeviceUnavailableError
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, linear
+from agentspec.targets import attention, costs, linear, stable
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter
 from agentspec.targets.kv import ModelKV
 from agentspec.targets.live_cost import LiveCost
 from agentspec.targets.lock import TargetLock
-from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.targets.reuse import PrefixReuse, prefix_store
 from agentspec.targets.scoring import Batch, Scorer
+from agentspec.targets.stable import StablePolicy
 
 #: Tokens per forward when a prompt's tail is fed after reused KV. One forward over the
 #: whole tail attends every new token to every new token (a full [tail, cached + tail]
@@ -51,10 +53,16 @@ class TargetConfig:
 
     Attributes:
         model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
-        dtype: ``"float32"`` (exact) or ``"bfloat16"`` (fast, not bit-exact).
-        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available).
+        dtype: ``"float32"`` or ``"bfloat16"``; both exact against plain decoding in the
+            same precision (bf16 through shape-stable forwards, see ``shape_stable``).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). The target's
+            device owns every tensor that meets its model: drafters, heads and the prefix
+            store follow it.
         prefix_cache_bytes: Budget of the KV prefix store (see
-            :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse.
+            :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse; ``None`` (the
+            default) sizes it from the memory available where its blocks live (the
+            target's device) once the model is loaded
+            (:func:`~agentspec.targets.prefix_cache.auto_budget_bytes`).
         prefix_spill_bytes: Budget of the store's disk copies under
             ``$AGENTSPEC_HOME/prefix-kv/<model>-<fingerprint>-<dtype>`` (a session's prefix
             KV survives a restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
@@ -62,18 +70,46 @@ class TargetConfig:
             when the model loads, if ``$AGENTSPEC_HOME/costs`` does not hold them yet (once
             per machine, a progress line); ``False`` leaves the gate on its safe prior
             (short drafts only) until forwards have been timed.
+        shape_stable: Give every decode forward (a plain step or a verify) the same
+            shapes, so a row's logits never depend on how many rows share its forward
+            (:mod:`agentspec.targets.stable`): what makes bf16 speculation token-identical
+            to plain bf16 decoding, and on CUDA what lets a step run as a captured graph.
+            ``None`` (auto): on for bfloat16 and on CUDA, off for fp32 on the CPU (exact
+            without it; tree drafts verify as chains while it is on).
+        cuda_graphs: Capture the shape-stable CUDA step as a graph (falls back to eager
+            steps, with a warning, if capture fails).
     """
 
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    prefix_cache_bytes: int | None = None
     prefix_spill_bytes: int = 0
     measure_costs: bool = True
+    shape_stable: bool | None = None
+    cuda_graphs: bool = True
+
+    def stable_policy(self, device: str, model: Any = None) -> StablePolicy | None:
+        """The shape-stable policy for ``device`` (``None``: forwards keep their shapes).
+        On the CPU ``model``'s products are checked for row-count invariance
+        (:func:`~agentspec.targets.stable.invariant_rows`): a plain step is padded to the
+        fewest rows they are invariant from (fixed-size chunks where they are not)."""
+        on = self.shape_stable
+        if on is None:
+            on = self.dtype == "bfloat16" or device.startswith("cuda")
+        if not on or (model is not None and not stable.full_attention(model)):
+            return None
+        policy = StablePolicy.for_device(device, graphs=self.cuda_graphs)
+        if model is not None and not device.startswith("cuda"):
+            rows = stable.invariant_rows(model)
+            policy = (dataclasses.replace(policy, min_rows=rows) if rows is not None else
+                      dataclasses.replace(policy, min_rows=stable.CPU_MIN_ROWS,
+                                          max_rows=stable.CPU_MIN_ROWS))
+        return policy
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
@@ -81,9 +117,18 @@ class TargetConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
     def resolved_device(self) -> str:
-        """The device actually used."""
+        """The device actually used.
+
+        Raises:
+            DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
+        """
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                "device='cuda' was asked for, but torch finds no CUDA device on this machine "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                "use device='cpu' or 'auto' (--device cpu|auto)")
         return self.device
 
 
@@ -112,7 +157,8 @@ class HFTarget:
     """
 
     def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 stable_policy: StablePolicy | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -122,12 +168,18 @@ class HFTarget:
         self.kv = ModelKV(model, device)
         forms = None
         if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
-            attention.install_gqa_attention(model)
-            # A short draft's few rows in the product form measured fastest on this machine.
+            attention.install_gqa_attention(model, always=True)
+        if device == "cpu" and stable_policy is None:
+            # A short draft's few rows in the product form measured fastest on this machine
+            # (not under a shape-stable policy: the form changes with the row count).
             forms = FormsProbe(linear.install_product_forms(model),
                                lambda bar: linear.measure(model, bar=bar),
                                linear.shapes(model))
-        self.meter = CostMeter(self.kv, name, dtype,
+        if stable_policy is not None:
+            self.kv.make_stable(stable_policy)
+        # Shape-stable forwards cost differently (padded rows, a fixed key length): their
+        # curves are kept apart.
+        self.meter = CostMeter(self.kv, name, dtype if stable_policy is None else f"{dtype}-stable",
                                lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar),
                                forms)
         self.reuse = PrefixReuse(self.kv, prefix_cache)
@@ -141,12 +193,20 @@ class HFTarget:
         model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
-        target = cls(model, tok, files.name, config.dtype, device, store)
+        target = cls(model, tok, files.name, config.dtype, device, store,
+                     config.stable_policy(device, model))
         if config.measure_costs:  # here, not inside the first request
             target.measure_cost_curves(progress=True)
         return target
 
     # -- the Target protocol -------------------------------------------------------------
+
+    @property
+    def shape_stable(self) -> bool:
+        """Whether decode forwards are shape-stable (:mod:`.stable`): a tree draft is then
+        verified as its first branch (siblings at other cache slots than their chain's
+        would not give a chain's bits)."""
+        return self.kv.stable is not None
 
     @property
     def vocab_size(self) -> int:

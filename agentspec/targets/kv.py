@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
-from agentspec.targets.kv_cache import new_cache, reusable_layers
+from agentspec.targets.attention import STABLE_STEP
+from agentspec.targets.kv_cache import GrowingLayer, StepPlan, new_cache, reusable_layers
+from agentspec.targets.stable import StablePolicy, attend_length, chunks, step_inputs
+from agentspec.targets.step_graph import StepGraph
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one layer
 
@@ -40,6 +43,9 @@ class ModelKV:
             what it held (the prefix reuse asks whether its copy is still the live KV).
         cache_factory: Makes an empty cache (the in-place one of ``kv_cache``; a test may
             put transformers' own here to compare against).
+        stable: The shape-stable policy of decode forwards (:mod:`.stable`), ``None``:
+            every forward has the shape of what it feeds.
+        plan: Steers the next forward's cache writes (shared by every cache made here).
     """
 
     def __init__(self, model: Any, device: str) -> None:
@@ -52,6 +58,10 @@ class ModelKV:
         self.features: torch.Tensor | None = None
         self.version = 0
         self.cache_factory: Callable[[], Any] = self._growing_cache
+        self.stable: StablePolicy | None = None
+        self.plan = StepPlan()
+        self._static: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.graph: StepGraph | None = None
         self._reusable: bool | None = None  # every cache layer full attention
         self._n_body: int | None = None
         # The hook runs on every position even when only the last logits are kept; holding
@@ -68,7 +78,36 @@ class ModelKV:
         self.features = output if isinstance(output, torch.Tensor) else None
 
     def _growing_cache(self) -> Any:
-        return new_cache(self.model.config, self.max_positions)
+        return new_cache(self.model.config, self.max_positions, self.plan, self._static)
+
+    def make_stable(self, policy: StablePolicy) -> None:
+        """Shape every decode forward by ``policy`` from now on (:mod:`.stable`). A policy
+        over the whole static cache (``align=None``) allocates it here: one zeroed key and
+        value buffer per layer, the context window plus one bucket long, that every cache
+        made afterwards sits on (a CUDA graph captured over them stays valid)."""
+        self.stable = policy
+        if policy.align is None:
+            cfg = self.model.config
+            heads = int(cfg.num_attention_heads)
+            kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+            dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+            length = self.max_positions + max(policy.max_rows, policy.min_rows)
+            dtype = next(self.model.parameters()).dtype
+            self._static = [
+                (torch.zeros(1, kv_heads, length, dim, dtype=dtype, device=self.device),
+                 torch.zeros(1, kv_heads, length, dim, dtype=dtype, device=self.device))
+                for _ in range(int(cfg.num_hidden_layers))]
+        if policy.graphs and policy.one_shape and str(self.device).startswith("cuda"):
+            self.graph = StepGraph(self, policy.min_rows, self.static_length)
+        self.cache = None
+
+    @property
+    def static_length(self) -> int:
+        """Positions of the static buffers (0 without them)."""
+        return 0 if self._static is None else int(self._static[0][0].shape[-2])
+
+    def _growing_layers(self) -> list[GrowingLayer]:
+        return [layer for layer in self.cache.layers if isinstance(layer, GrowingLayer)]
 
     # -- the cache -------------------------------------------------------------------------
 
@@ -139,10 +178,16 @@ class ModelKV:
 
     # -- the forwards ----------------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int], last_only: bool = False,
+                step: bool = False) -> torch.Tensor:
         """Append ``tokens`` to the cache's one row in one forward; their logits ``[n, V]``
         (``[1, V]`` when ``last_only``), fp32 on the CPU: verifiers compare them against
-        drafts built there (a no-op on CPU; on CUDA one small copy per forward)."""
+        drafts built there (a no-op on CPU; on CUDA one small copy per forward).
+
+        ``step``: a decode-phase forward (a plain step or a verify), shaped by
+        :attr:`stable` when set (padded rows, chunks, a fixed key length)."""
+        if step and self.stable is not None:
+            return self._stable_forward(tokens)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, n]
         self.version += 1
         with torch.inference_mode():
@@ -151,6 +196,61 @@ class ModelKV:
                 input_ids=ids, use_cache=True, logits_to_keep=1 if last_only else 0, **kwargs
             )
         return out.logits[0].float().cpu()  # [n, V] (or [1, V] when last_only)
+
+    def _stable_forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """:meth:`forward` of a decode step under :attr:`stable`: each chunk of at most
+        ``max_rows`` tokens is padded to ``min_rows`` rows and attends a fixed key length;
+        the real rows' logits ``[n, V]`` (fp32, CPU) and features are kept."""
+        policy = self.stable
+        assert policy is not None
+        logits: list[torch.Tensor] = []
+        feats: list[torch.Tensor] = []
+        for chunk in chunks(tokens, policy.max_rows):
+            n, start = len(chunk), self.num_cached
+            rows = max(policy.min_rows, n)
+            ids = chunk + [chunk[-1]] * (rows - n)  # padding rows: any valid token
+            attend = attend_length(start + rows, policy, self.static_length)
+            out, feat = self._stable_chunk(ids, start, n, attend)
+            logits.append(out[:n].float().cpu())  # [n, V]
+            if feat is not None:
+                feats.append(feat[:, :n].clone())  # [1, n, H] (a graph reuses its output)
+        self.features = (feats[0] if len(feats) == 1 else torch.cat(feats, dim=1)) \
+            if feats else None
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _stable_chunk(self, ids: list[int], start: int, n: int,
+                      attend: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One shape-stable forward of ``len(ids)`` rows at ``start`` of which the first
+        ``n`` are real; logits ``[rows, V]`` and features ``[1, rows, H]`` (device)."""
+        self.version += 1
+        graph = self.graph
+        if graph is not None and len(ids) == graph.rows and self._on_static():
+            out = graph.run(ids, start)
+            if out is not None:
+                for layer in self._growing_layers():
+                    layer.set_filled(start + n)
+                return out
+        dtype = next(self.model.parameters()).dtype
+        start_t = torch.tensor(start, dtype=torch.long, device=self.device)
+        pos, mask = step_inputs(start_t, len(ids), attend, dtype)  # [1, rows], [1,1,rows,attend]
+        plan = self.plan
+        plan.real, plan.attend = n, attend
+        token = STABLE_STEP.set(True)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                    position_ids=pos, attention_mask=mask, cache_position=pos[0],
+                    use_cache=True, **{self._cache_kw: self.cache})
+        finally:
+            plan.clear()
+            STABLE_STEP.reset(token)
+        return out.logits[0], self.features
+
+    def _on_static(self) -> bool:
+        """Whether the live cache sits on the static buffers (one row, never regrown)."""
+        layers = self._growing_layers() if self.cache is not None else []
+        return bool(layers) and all(layer.on_static() for layer in layers)
 
     def run(self, ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """Append ``ids`` ``[B, n]`` to the cache's ``B`` rows in one forward (``inputs``: an
@@ -164,7 +264,8 @@ class ModelKV:
     def random_cache(self, context: int, gen: torch.Generator) -> Any:
         """A cache of ``context`` positions of random keys and values (attention costs the
         same whatever they are: for timing); the layers' shapes are read from a one-token
-        forward on a fresh cache, which becomes :attr:`cache` meanwhile."""
+        forward on a fresh cache, which becomes :attr:`cache` meanwhile. On static buffers
+        this overwrites what they held (the scorer's scratch forgets the live ids)."""
         self.cache = self.new_cache()
         self.forward([0], last_only=True)
         shapes = [(layer.keys.shape, layer.keys.dtype) for layer in self.cache.layers]
@@ -179,7 +280,8 @@ class ModelKV:
     # -- what the forwards leave -----------------------------------------------------------
 
     def last_features(self) -> torch.Tensor:
-        """Row 0 of :attr:`features` ``[n, H]``, fp32 on the CPU.
+        """Row 0 of :attr:`features` ``[n, H]``, fp32 on the model's device (drafters that
+        read them follow the target's device).
 
         Raises:
             ConfigError: no forward has run, or the model has no final norm to hook.
@@ -187,7 +289,7 @@ class ModelKV:
         if self.features is None:
             raise ConfigError("last_features() before any forward (or the model has no "
                               "model.norm to read hidden states from)")
-        return self.features[0].float().cpu()  # [n, H]
+        return self.features[0].float()  # [n, H]
 
     @property
     def body_params(self) -> int:

@@ -12,6 +12,15 @@ output is bit-identical to ``DynamicLayer``'s (tested).
 
 Rolling back (``crop``) only moves the fill mark: the positions past it are overwritten by
 the next append, which is what speculative decoding does after every rejected draft.
+
+Shape-stable forwards (:mod:`agentspec.targets.stable`) steer a layer through a
+:class:`StepPlan` shared by every layer of a cache: the next forward writes its keys at
+device-side ``slots`` (an ``index_copy_`` a captured CUDA graph can replay), the fill mark
+advances by the plan's ``real`` rows only (padding rows are written past it and overwritten
+later), and attention reads a fixed ``attend`` positions whatever is filled, the positions
+past a query masked out. A layer may also sit on buffers handed to it (``static``: one
+preallocated pair per model on CUDA, so a graph captured over them stays valid from one
+request to the next).
 """
 
 from __future__ import annotations
@@ -25,6 +34,32 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 _MIN_CAPACITY = 256
 
 
+class StepPlan:
+    """What the next forward does to a cache's layers (shared by all of them).
+
+    Attributes:
+        real: Rows of the forward that count: the fill mark advances by this many
+            (``None``: every row; padding rows past it are overwritten by later writes).
+        attend: Key positions every query of the forward attends (a fixed shape: the mask
+            hides what a query must not see); ``None``: the filled part.
+        slots: ``[q]`` positions the forward's keys and values go to, on the cache's
+            device (``None``: appended at the fill mark).
+        defer: The caller advances the fill mark itself (:meth:`GrowingLayer.set_filled`;
+            a replayed CUDA graph runs none of this host code).
+    """
+
+    def __init__(self) -> None:
+        self.real: int | None = None
+        self.attend: int | None = None
+        self.slots: torch.Tensor | None = None
+        self.defer = False
+
+    def clear(self) -> None:
+        """Back to plain appends."""
+        self.real = self.attend = self.slots = None
+        self.defer = False
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention cache layer over preallocated buffers (see the module docstring).
 
@@ -34,9 +69,12 @@ class GrowingLayer(DynamicLayer):
             more.
     """
 
-    def __init__(self, max_positions: int | None = None) -> None:
+    def __init__(self, max_positions: int | None = None, plan: StepPlan | None = None,
+                 static: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.max_positions = max_positions
+        self.plan = plan or StepPlan()
+        self.static = static  # [1, kv_heads, capacity, head_dim] each, never reallocated
         self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
         self._n = 0  # filled positions
@@ -48,8 +86,12 @@ class GrowingLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._k = key_states.new_empty(*key_states.shape[:-2], 0, key_states.shape[-1])
-        self._v = value_states.new_empty(*value_states.shape[:-2], 0, value_states.shape[-1])
+        if self.static is not None and key_states.shape[0] == 1:
+            self._k, self._v = self.static
+        else:
+            self._k = key_states.new_empty(*key_states.shape[:-2], 0, key_states.shape[-1])
+            self._v = value_states.new_empty(*value_states.shape[:-2], 0,
+                                             value_states.shape[-1])
         self._n = 0
         self._publish()
         self.is_initialized = True
@@ -66,6 +108,9 @@ class GrowingLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         if need <= self.capacity:
             return
+        if self._k is self._static_k():
+            raise ValueError(f"{need} positions do not fit the static KV buffers of "
+                             f"{self.capacity}")
         # A quarter beyond the need: a cache filled from stored prefix blocks is extended
         # by the prompt's tail and the answer next, without a second copy.
         grown = max(need + need // 4, self.capacity + self.capacity // 2, _MIN_CAPACITY)
@@ -73,7 +118,9 @@ class GrowingLayer(DynamicLayer):
             grown = max(need, min(grown, self.max_positions))
         bufs = []
         for old in (self._k, self._v):
-            buf = old.new_empty(*old.shape[:-2], grown, old.shape[-1])
+            # Zeros: a shape-stable forward reads past the fill mark (masked, weight 0), and
+            # 0 * NaN from uninitialised memory would not be 0.
+            buf = old.new_zeros(*old.shape[:-2], grown, old.shape[-1])
             buf[..., : self._n, :] = old[..., : self._n, :]
             bufs.append(buf)
         self._k, self._v = bufs
@@ -83,13 +130,35 @@ class GrowingLayer(DynamicLayer):
         """Append ``[B, kv_heads, q, head_dim]`` keys and values; return all of them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        plan = self.plan
+        q = int(key_states.shape[-2])
+        end = self._n + q
+        self._reserve(max(end, plan.attend or 0))
         assert self._k is not None and self._v is not None
-        end = self._n + int(key_states.shape[-2])
-        self._reserve(end)
-        self._k[..., self._n : end, :] = key_states
-        self._v[..., self._n : end, :] = value_states
-        self._n = end
+        if plan.slots is not None:  # device-side positions: replayable by a CUDA graph
+            self._k.index_copy_(2, plan.slots, key_states)
+            self._v.index_copy_(2, plan.slots, value_states)
+        else:
+            self._k[..., self._n : end, :] = key_states
+            self._v[..., self._n : end, :] = value_states
+        if not plan.defer:
+            self._n += q if plan.real is None else plan.real
+        if plan.attend is not None:
+            self._publish()
+            return self._k[..., : plan.attend, :], self._v[..., : plan.attend, :]
         return self._publish()
+
+    def set_filled(self, n: int) -> None:
+        """Set the fill mark to ``n`` positions (after a forward with a deferred plan)."""
+        self._n = n
+        self._publish()
+
+    def _static_k(self) -> torch.Tensor | None:
+        return None if self.static is None else self.static[0]
+
+    def on_static(self) -> bool:
+        """Whether the layer's buffers are its static ones (a captured graph's)."""
+        return self.static is not None and self._k is self.static[0]
 
     def get_seq_length(self) -> int:
         return self._n if self.is_initialized else 0
@@ -119,17 +188,33 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
             assert self._k is not None and self._v is not None
-            self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+            k, v = self._k[indices, ...], self._v[indices, ...]
+            if self.static is not None and k.shape[0] == 1:  # back onto the static buffers
+                n = min(int(k.shape[-2]), self.static[0].shape[-2])
+                self.static[0][..., :n, :] = k[..., :n, :]
+                self.static[1][..., :n, :] = v[..., :n, :]
+                k, v = self.static
+            self._k, self._v = k, v
             self._publish()
 
 
-def new_cache(config: Any, max_positions: int | None = None) -> DynamicCache:
+def new_cache(config: Any, max_positions: int | None = None, plan: StepPlan | None = None,
+              static: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are
     :class:`GrowingLayer` s (sliding-window and other special layers stay as transformers
-    builds them)."""
+    builds them), steered by ``plan`` and, with ``static``, over those buffers (one pair per
+    layer, in order)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer(max_positions) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    plan = plan or StepPlan()
+    layers: list[Any] = []
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            layers.append(GrowingLayer(max_positions, plan,
+                                       static[i] if static is not None else None))
+        else:
+            layers.append(layer)
+    cache.layers = layers
+    cache.plan = plan  # type: ignore[attr-defined]
     return cache
 
 

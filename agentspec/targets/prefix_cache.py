@@ -39,11 +39,26 @@ an EAGLE head needs a row for every prompt position, so a prompt reused for it r
 blocks that have them (``features=True``: the chain stops at the first block without, e.g.
 one read back from a file of an older version). The rows count in the budget, and a block
 stored without them gets them when the same tokens are inserted again with rows.
+
+Where blocks live: on the target's device. An inserted block is a copy (``clone``) of the
+live cache's slices, so it stays where the model's KV is (the GPU's memory when the model
+runs on CUDA: a hit is a device-to-device copy into the new cache, no host round trip). The
+disk spill copies a block to the CPU to write it, and a block read back goes to
+:attr:`PrefixCache.device` (the target sets it to its own). The budget counts the bytes on
+that device.
+
+The default budget (``budget_bytes=None``) is sized from the memory at hand where the blocks
+live (:func:`auto_budget_bytes`, :func:`default_prefix_cache_bytes`): a quarter of what is
+available (``MemAvailable`` of ``/proc/meminfo`` on the CPU; free memory from
+``torch.cuda.mem_get_info`` on CUDA, read once the model is loaded), within 1 GiB .. 8 GiB
+and never more than half of what is available. It is sized again when the store's device is
+set (the target does so when it takes the store). An explicit budget is used as given.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,10 +74,61 @@ from agentspec.targets.kv_spill import KVSpill
 #: rounded down to a block (the session's live KV covers the last partial block).
 DEFAULT_BLOCK_SIZE = 16
 
-#: Default budget of the store: 1 GiB holds ~22k tokens of SmolLM2-135M fp32 KV and
-#: features (30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 45 KiB of KV per token, plus
-#: 576 x 4 bytes = 2.25 KiB of feature row).
+#: Floor of the auto-sized budget, and the budget when the memory at hand is unknown: 1 GiB
+#: holds ~22k tokens of SmolLM2-135M fp32 KV and features (30 layers x 2 x 3 KV heads x 64
+#: dims x 4 bytes = 45 KiB of KV per token, plus 576 x 4 bytes = 2.25 KiB of feature row).
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+#: Ceiling of the auto-sized budget (8 GiB: ~180k SmolLM2 tokens).
+MAX_AUTO_PREFIX_CACHE_BYTES = 8 << 30
+
+#: Share of the available memory the auto-sized budget takes.
+AUTO_PREFIX_CACHE_SHARE = 0.25
+
+
+def auto_budget_bytes(available: int | None) -> int:
+    """The default budget for ``available`` bytes of memory where the blocks live.
+
+    A quarter of ``available``, within :data:`DEFAULT_PREFIX_CACHE_BYTES` (1 GiB) ..
+    :data:`MAX_AUTO_PREFIX_CACHE_BYTES` (8 GiB), and never more than half of ``available``
+    (a nearly full device gets a small store rather than an out-of-memory error); 1 GiB when
+    ``available`` is unknown (``None``).
+    """
+    if available is None:
+        return DEFAULT_PREFIX_CACHE_BYTES
+    available = max(0, int(available))
+    share = int(available * AUTO_PREFIX_CACHE_SHARE)
+    budget = min(max(share, DEFAULT_PREFIX_CACHE_BYTES), MAX_AUTO_PREFIX_CACHE_BYTES)
+    return min(budget, available // 2)
+
+
+def available_bytes(device: str | torch.device = "cpu") -> int | None:
+    """Memory available now on ``device``: free memory of a CUDA device
+    (``torch.cuda.mem_get_info``), else the host's ``MemAvailable`` (``/proc/meminfo``, or
+    the free pages of ``os.sysconf``); ``None`` when it cannot be read."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0])
+        except (RuntimeError, AssertionError, ValueError):  # no CUDA after all
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def default_prefix_cache_bytes(device: str | torch.device = "cpu") -> int:
+    """The default budget of a store whose blocks live on ``device``
+    (:func:`auto_budget_bytes` of :func:`available_bytes`)."""
+    return auto_budget_bytes(available_bytes(device))
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [1, kv_heads, block, head_dim]
 
@@ -124,23 +190,27 @@ class PrefixCache:
 
     Args:
         budget_bytes: Most bytes of key/value tensors and feature rows held; 0 stores
-            nothing.
+            nothing; ``None`` sizes it from the memory available on ``device``
+            (:func:`default_prefix_cache_bytes`), again whenever :attr:`device` is set.
         block_size: Tokens per block.
         spill: Disk copies of the blocks (``None``: memory only).
-        device: Where blocks read back from disk are put (the target's device).
+        device: Where the blocks live: the target's device (inserted blocks are copies of
+            its live KV; blocks read back from disk are put there).
 
     Raises:
         ConfigError: a negative budget or a block size below 1.
     """
 
-    def __init__(self, budget_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    def __init__(self, budget_bytes: int | None = DEFAULT_PREFIX_CACHE_BYTES,
                  block_size: int = DEFAULT_BLOCK_SIZE, spill: KVSpill | None = None,
                  device: str = "cpu") -> None:
-        if budget_bytes < 0:
+        if budget_bytes is not None and budget_bytes < 0:
             raise ConfigError(f"prefix cache budget must be >= 0 bytes, got {budget_bytes}")
         if block_size < 1:
             raise ConfigError(f"prefix cache block size must be >= 1, got {block_size}")
-        self.budget_bytes = budget_bytes
+        self.auto_budget = budget_bytes is None
+        self.budget_bytes = (default_prefix_cache_bytes(device) if budget_bytes is None
+                             else budget_bytes)
         self.block_size = block_size
         # Recency order, oldest first (no bound of their own: _make_room evicts by bytes
         # with a fair share per scope).
@@ -150,7 +220,19 @@ class PrefixCache:
         self.bytes_used = 0
         self.stats = PrefixCacheStats()
         self.spill = spill
-        self.device = device
+        self._device = device
+
+    @property
+    def device(self) -> str:
+        """Where the blocks live (the target's device); setting it re-sizes an auto-sized
+        budget (``budget_bytes=None``) from the memory available there."""
+        return self._device
+
+    @device.setter
+    def device(self, device: str) -> None:
+        self._device = device
+        if self.auto_budget:
+            self.budget_bytes = default_prefix_cache_bytes(device)
 
     @property
     def enabled(self) -> bool:

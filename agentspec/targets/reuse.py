@@ -27,14 +27,16 @@ from agentspec.targets.kv_spill import KVSpill
 from agentspec.targets.prefix_cache import PrefixCache
 
 
-def prefix_store(files: ModelFiles, dtype: str, budget_bytes: int,
+def prefix_store(files: ModelFiles, dtype: str, budget_bytes: int | None,
                  spill_bytes: int) -> PrefixCache:
-    """The prefix store of a model loaded from ``files``: ``budget_bytes`` in memory and,
-    with ``spill_bytes``, disk copies under ``$AGENTSPEC_HOME/prefix-kv/<folder>``. KV is
-    only valid for the weights (and dtype) that computed it: a folder each, named by a
-    fingerprint of the files, not by the folder's name alone."""
+    """The prefix store of a model loaded from ``files``: ``budget_bytes`` in memory
+    (``None``: sized from the memory available on the target's device, which
+    :class:`PrefixReuse` sets) and, with ``spill_bytes``, disk copies under
+    ``$AGENTSPEC_HOME/prefix-kv/<folder>``. KV is only valid for the weights (and dtype)
+    that computed it: a folder each, named by a fingerprint of the files, not by the
+    folder's name alone."""
     spill = None
-    if spill_bytes and budget_bytes:
+    if spill_bytes and budget_bytes != 0:
         folder = f"{files.name}-{folder_fingerprint(files.path)}-{dtype}"
         spill = KVSpill(agentspec_home() / "prefix-kv" / folder.replace("/", "_"),
                         spill_bytes)
@@ -61,7 +63,9 @@ class PrefixReuse:
         self.kv = kv
         self.store = store
         if store is not None:
-            store.device = kv.device  # blocks read back from disk go to the model
+            # Blocks live on the model's device (read back from disk there too); an
+            # auto-sized budget is sized from the memory free there now, the model loaded.
+            store.device = kv.device
         self.ids: list[int] | None = None
         self.scope: str | None = None
         self.reused_tokens = 0

@@ -99,10 +99,12 @@ class Scorer:
         raise ConfigError(f"{call}() without a {scored} before it (the cache holds a "
                           f"{mode.name})")
 
-    def feed(self, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
+    def feed(self, tokens: Sequence[int], last_only: bool = False,
+             step: bool = False) -> torch.Tensor:
         """One forward appending ``tokens`` to the one row, their feature rows logged for
-        reuse; the logits as :meth:`~agentspec.targets.kv.ModelKV.forward` returns them."""
-        logits = self.kv.forward(tokens, last_only)
+        reuse; the logits as :meth:`~agentspec.targets.kv.ModelKV.forward` returns them
+        (``step``: a decode-phase forward, shape-stable when the model is)."""
+        logits = self.kv.forward(tokens, last_only, step=step)
         if self.kv.features is not None:
             self.reuse.log_rows(self.kv.features[0])  # [n, H]: this forward's positions
         return logits
@@ -114,7 +116,7 @@ class Scorer:
             raise ConfigError("score() needs at least one token")
         self.kv.check_fits(self.kv.num_cached + len(tokens))
         with self.timer.timed(len(tokens), self.kv.num_cached):
-            logits = self.feed(tokens)
+            logits = self.feed(tokens, step=True)
         self.reuse.fed(tokens)
         return logits
 
@@ -251,3 +253,6 @@ class Scorer:
             yield
         finally:
             kv.cache, reuse.ids, reuse.scope, kv.features, self.mode = saved
+            if kv.static_length:  # the random keys went into the buffers it sits on
+                kv.cache = None
+                reuse.forget()

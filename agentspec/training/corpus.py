@@ -20,17 +20,19 @@ Only the top-K (default 16) teacher log-probs are kept: full ``[T, V]`` logits w
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from agentspec.errors import TrainingDataError
 
-__all__ = ["TeacherSeq", "teacher_force", "teacher_generate", "training_prompts"]
+__all__ = ["DrafterData", "TeacherSeq", "teacher_force", "teacher_generate", "training_prompts"]
 
 _TOPICS = (
     "the moon", "volcanoes", "the internet", "bicycles", "coffee", "the Roman Empire",
@@ -64,6 +66,23 @@ _CODE_TASKS = (
 _PHRASES = ("thank you very much", "where is the train station?", "I love reading books",
             "see you tomorrow", "the weather is nice today")
 _LANGUAGES = ("French", "German", "Italian", "Portuguese")
+
+
+class DrafterData(Protocol):
+    """The workload data ``train-drafter`` learns from (the ``workflows`` package's, handed in
+    by the console script: training never imports the benchmark harness)."""
+
+    def folder(self, explicit: str | os.PathLike[str] | None) -> Path:
+        """The data folder: ``explicit`` (``--data``) when given, else the default one."""
+        ...
+
+    def documents(self, folder: Path, seed: int) -> list[tuple[str, str]]:
+        """(user message, assistant text) pairs to teacher-force, shuffled by ``seed``."""
+        ...
+
+    def held_out_prompts(self) -> list[str]:
+        """Benchmark prompts the drafter must never train on."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,7 @@ class BudgetedVerifier:
             return self.sampler.verify(draft, logits, sampling, rng, request_id=request_id)
         account = self.account(request_id)
         check_rows(draft, logits)
+        logits = logits.cpu()  # verification runs on the CPU (a no-op for target logits)
         x = torch.tensor(draft.tokens, dtype=torch.long)  # [k]
         cfg = self.config
         budget_left = cfg.budget - account.spent if cfg.budget > 0 else 0.0

@@ -53,7 +53,7 @@ class GreedyVerifier:
             raise ConfigError(
                 f"expected {k + 1} logit rows for a {k}-token draft, got {logits.shape[0]}"
             )
-        argmax = logits.argmax(dim=-1)  # [k+1]
+        argmax = logits.argmax(dim=-1).cpu()  # [k+1] (a no-op: target logits are on the CPU)
         n = greedy_accept_len(torch.tensor(draft.tokens, dtype=torch.long), argmax)
         tokens = [*draft.tokens[:n], int(argmax[n])]
         return VerifyResult(tokens=tokens, num_accepted=n, accepted_path=list(range(n)))

@@ -120,6 +120,7 @@ class KeyedVerifier:
         if sampling.seed is None:
             return self.unseeded.verify(draft, logits, sampling, rng, request_id=request_id)
         check_rows(draft, logits)
+        logits = logits.cpu()  # verification runs on the CPU (a no-op for target logits)
         k = len(draft.tokens)
         keys = row_keys(seed_key(sampling.seed), range(draft.position, draft.position + k + 1))
         x = torch.tensor([draft.tokens], dtype=torch.long).reshape(1, k)
@@ -163,6 +164,7 @@ class KeyedVerifier:
                 )
             out: MultiVerifyResult = many(drafts, logits, sampling, rng)
             return out
+        logits = logits.cpu()  # verification runs on the CPU (a no-op for target logits)
         start = drafts[0].position
         keys = row_keys(seed_key(sampling.seed), range(start, start + k + 1))
         x = torch.tensor([d.tokens for d in drafts], dtype=torch.long).reshape(len(drafts), k)

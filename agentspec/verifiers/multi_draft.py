@@ -139,6 +139,7 @@ class MultiDraftVerifier:
                 f"expected logits of shape [{len(drafts)}, {k + 1}, V], "
                 f"got {tuple(logits.shape)}"
             )
+        logits = logits.cpu()  # verification runs on the CPU (a no-op for target logits)
         vocab = logits.shape[-1]
         x = torch.tensor([d.tokens for d in drafts], dtype=torch.long).reshape(len(drafts), k)
         q = torch.stack([draft_probs(x[j], d.probs, vocab) for j, d in enumerate(drafts)])

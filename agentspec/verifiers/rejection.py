@@ -124,7 +124,9 @@ class SingleDraftSampler:
         """Accept the prefix the rule selects, then draw one token."""
         if sampling.greedy:
             return self._greedy.verify(draft, logits, sampling)
-        p, q, x = verifier_inputs(draft, logits, sampling)
+        # Verification runs on the CPU, with the request's CPU generator (a no-op for the
+        # target's logits, which come back there).
+        p, q, x = verifier_inputs(draft, logits.cpu(), sampling)
         gen = default_generator(rng, sampling)
         u = torch.rand(x.shape, generator=gen)  # [1, k]
         n, dist = self._rule(p, q, x, u)

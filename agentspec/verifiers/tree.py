@@ -71,7 +71,7 @@ def greedy_branch_accept(
         ``(row, accepted, token)``: the winning row, how many of its drafted tokens are
         accepted, and the target's greedy token after them (correction or bonus).
     """
-    pred = logits.argmax(-1)  # [K, k+1]
+    pred = logits.argmax(-1).cpu()  # [K, k+1] (a no-op for the target's CPU logits)
     drafted = torch.tensor([list(r[1:]) for r in rows], dtype=torch.long)  # [K, k]
     ok = (drafted == pred[:, :-1]).to(torch.int64)  # [K, k]
     accepted = ok.cumprod(dim=1).sum(dim=1)  # [K]: longest all-true prefix per row
@@ -107,7 +107,7 @@ def greedy_tree_accept(
         ``(path, token)``: the accepted draft nodes (indices into the draft, root side
         first) and the target's greedy token after them.
     """
-    pred = logits.argmax(-1).tolist()  # [n]
+    pred = logits.argmax(-1).tolist()  # [n] (.tolist() reads any device)
     children: dict[tuple[int, int], int] = {}
     for i in range(len(tokens) - 1, 0, -1):  # reversed: the first listed sibling wins
         children[(parents[i], int(tokens[i]))] = i

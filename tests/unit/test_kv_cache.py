@@ -18,15 +18,35 @@ from agentspec.targets.prefix_cache import PrefixCache
 from tests.conftest import TINY_VOCAB
 
 
+def _stock_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: torch.Tensor | None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with repeat_kv, except one-row forwards, which take
+    agentspec's thread-invariant products in both targets (SDPA splits a single query's
+    keys by thread: that path is not what this test compares)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] == 1:
+        return attention.stable_attention(query, key, value, attention_mask,
+                                          kwargs.get("scaling")), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 class _StockTarget(HFTarget):
     """The target as it was: transformers' DynamicCache (torch.cat per append) and its
-    SDPA attention with repeat_kv. (Both targets keep the small-rows linear forward of
-    ``agentspec.targets.linear``: this test is about the cache and the attention; that
-    forward has its own test.)"""
+    SDPA attention with repeat_kv for multi-row forwards. (Both targets keep the small-rows
+    linear forward of ``agentspec.targets.linear`` and the one-row attention of
+    ``agentspec.targets.attention``: this test is about the cache and the grouped-query
+    attention; those have their own tests.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.model.set_attn_implementation("sdpa")
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register("stock_sdpa", _stock_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("stock_sdpa", sdpa_mask)
+        self.model.set_attn_implementation("stock_sdpa")
         self.kv.cache_factory = self._stock_cache
 
     def _stock_cache(self) -> Any:

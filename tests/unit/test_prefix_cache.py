@@ -310,8 +310,8 @@ def test_a_long_tail_after_reuse_is_fed_in_chunks_with_the_same_logits(
     calls: list[int] = []
     forward = reusing.kv.forward
     monkeypatch.setattr(reusing.kv, "forward",
-                        lambda toks, last_only=False: calls.append(len(toks))
-                        or forward(toks, last_only))
+                        lambda toks, last_only=False, **kw: calls.append(len(toks))
+                        or forward(toks, last_only, **kw))
     got = reusing.prefill(prompt, scope="chunks")
     assert reusing.reused_tokens == 120 and calls == [16, 16, 16, 16, 11]
     feats = reusing.last_features()  # (both targets hook the one model's norm)

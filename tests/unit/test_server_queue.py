@@ -344,11 +344,11 @@ def test_a_cancel_during_a_chunked_prefill_raises_before_the_prefill_ends(
     cancel, calls = threading.Event(), []
     forward = target.kv.forward
 
-    def counting(tokens: Any, last_only: bool = False) -> torch.Tensor:
+    def counting(tokens: Any, last_only: bool = False, **kw: Any) -> torch.Tensor:
         calls.append(len(tokens))
         if len(calls) == 2:
             cancel.set()  # the client leaves while the second chunk is fed
-        return forward(tokens, last_only)
+        return forward(tokens, last_only, **kw)
 
     monkeypatch.setattr(target.kv, "forward", counting)
     with pytest.raises(Cancelled):

@@ -34,6 +34,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from agentspec.cli.args import add_device_arg
 from agentspec.errors import BenchmarkError
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
@@ -121,7 +122,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         max_tokens: int = 64, max_prompt: int = 0, turns: int = 30, max_draft: int = 32,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
         out: Path | None = None, progress: bool = True, model: str | None = None,
-        workload: str = "traces", reuse: str = "both") -> dict[str, Any]:
+        workload: str = "traces", reuse: str = "both", device: str = "auto",
+        dtype: str = "float32") -> dict[str, Any]:
     """Drive the sessions with every method, reuse on and off; return the report.
 
     ``workload`` ``"traces"`` drives the logged runs in ``traces``; ``"tool_agent"`` the
@@ -146,7 +148,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     if reuse not in REUSE:
         raise BenchmarkError(f"reuse must be one of {', '.join(REUSE)}, got {reuse!r}")
     t_load = time.perf_counter()  # a fresh AGENTSPEC_HOME measures the cost curves here
-    base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0))
+    base = target or HFTarget.load(TargetConfig(model=model, prefix_cache_bytes=0,
+                                                device=device, dtype=dtype))
     load_s = time.perf_counter() - t_load
     tok = base.tokenizer
     max_prompt = max_prompt or base.max_positions
@@ -168,7 +171,8 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         for on in REUSE[reuse]:
             name = f"{m}+reuse" if on else m
             store = PrefixCache(prefix_cache_bytes) if on else None
-            tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store)
+            tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store,
+                           base.kv.stable)
             if store is not None:
                 stores[name] = store
             variants[name], ceiling = _variant(m, tgt, spec)
@@ -370,6 +374,10 @@ def add_drive_parser(sub: Any) -> None:
                    help="prefix-reuse variants of every method: both (default), on or off "
                         "(one side only halves a long run)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model precision; both are exact against plain decoding in the same "
+                        "precision (bf16 through shape-stable forwards)")
+    add_device_arg(p)
 
 
 def run_drive_cli(args: argparse.Namespace) -> int:
@@ -377,6 +385,7 @@ def run_drive_cli(args: argparse.Namespace) -> int:
     report = run([m.strip() for m in args.methods.split(",") if m.strip()], args.traces,
                  args.max_tokens, args.max_prompt, args.turns, args.max_draft,
                  args.prefix_cache_mb << 20, out=args.out, model=args.model,
-                 workload=args.workload, reuse=args.reuse)
+                 workload=args.workload, reuse=args.reuse, device=args.device,
+                 dtype=args.dtype)
     print(driven_table(report))
     return 0

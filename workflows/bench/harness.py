@@ -8,6 +8,7 @@ first: its outputs are the reference for ``identical_to_greedy`` and the oracle'
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -47,6 +48,7 @@ class BenchConfig:
         out: Path of the JSON results (``None``: do not write).
         model: Model name or folder.
         dtype: ``float32`` (exact) or ``bfloat16``.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         max_draft: Longest draft per verification.
         data_dir: Data folder for the workloads that read files.
         progress: Show progress bars.
@@ -64,6 +66,7 @@ class BenchConfig:
     out: Path | None = None
     model: str | None = None
     dtype: str = "float32"
+    device: str = "auto"
     max_draft: int = 16
     data_dir: str | None = None
     progress: bool = True
@@ -161,7 +164,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
     methods = list(dict.fromkeys(["greedy", *cfg.methods]))
     check_names(methods, cfg.workloads)  # before the model loads: fail fast
     if target is None:
-        target = HFTarget.load(TargetConfig(model=cfg.model, dtype=cfg.dtype))
+        target = HFTarget.load(TargetConfig(model=cfg.model, dtype=cfg.dtype,
+                                            device=cfg.device))
     grammars = (GrammarCompiler.from_hf(target.tokenizer, target.vocab_size)
                 if cfg.constrained else None)
     ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft), grammars=grammars)
@@ -209,6 +213,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                         "mean_accepted_len": round(out.stats.mean_accepted_len, 3),
                         "identical_to_greedy": reference.get(key) == out.tokens,
                         "first_divergence": _first_divergence(reference.get(key), out.tokens),
+                        # Compares outputs across runs (e.g. two bf16 runs) without the ids.
+                        "output_sha": hashlib.sha256(str(out.tokens).encode()).hexdigest()[:16],
                         "exceptions": out.stats.exceptions,
                         "loop_share": round(loop_share(out.tokens), 4),
                         "metrics": sess.turn_metrics(req, text),

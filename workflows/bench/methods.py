@@ -5,7 +5,9 @@ factory (:mod:`agentspec.factory`), the same code that builds the product's draf
 verifier and engine, so the benchmark measures what ships (:func:`method_spec` gives each
 method's spec). The peers are built here: ``greedy`` is transformers' own
 ``generate(do_sample=False)``, the plain decoding users run today and the reference every
-other method's output is checked against; ``hf_prompt_lookup`` is transformers' prompt
+other method's output is checked against (on a shape-stable target, bf16 or CUDA, the
+engine without drafts: there plain decoding is defined by the engine's own shapes, see
+:mod:`agentspec.targets.stable`); ``hf_prompt_lookup`` is transformers' prompt
 lookup decoding; ``oracle`` drafts the known greedy output (the ceiling); ``distilled`` is
 the model drafter before the EAGLE head. ``plain`` is agentspec's loop with no drafter
 (one token per forward: the loop's own overhead).
@@ -327,4 +329,9 @@ def build_method(name: str, ctx: MethodContext) -> Method:
             raise BenchmarkError(f"method {name!r} cannot decode under a grammar "
                                  "(--constrained runs engine methods only)")
         return method
+    if name == "greedy" and getattr(ctx.target, "shape_stable", False):
+        # Shape-stable forwards (bf16, CUDA) define plain decoding by the engine's own
+        # shapes; transformers' generate runs other kernels (a bf16 argmax differs), so the
+        # reference is the engine without drafts.
+        return EngineMethod("greedy", ctx, ctx.spec("plain"), record=True)
     return factory(ctx)

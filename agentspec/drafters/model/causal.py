@@ -19,6 +19,11 @@ allow; each draft is still an exact sample from ``q`` (``probs`` filled), so any
 verifier may check it.
 :meth:`ModelDrafter.propose_many` draws K i.i.d. sampled drafts in one batched pass (the
 cache is expanded to K rows and collapsed back afterwards) for SpecTr-GBV.
+
+Devices: the draft model decides (:attr:`ModelDrafter.device`, its parameters'); input ids
+are built there and its KV cache grows there. Each forward's last-position logits come
+back to the CPU in fp32, like the target's: drafts are sampled with the request's (CPU)
+generator or keyed noise, and the verifiers compare ``probs`` with the target's CPU logits.
 """
 
 from __future__ import annotations
@@ -267,5 +272,6 @@ class ModelDrafter:
                 **{self._cache_kw: self._cache},
             )
         self.forwards += 1
-        return out.logits[:, -1, : self.vocab].float()  # [B, V]
+        # fp32 on the CPU, as the target's (module docstring): one [B, V] copy per forward.
+        return out.logits[:, -1, : self.vocab].float().cpu()  # [B, V]
 

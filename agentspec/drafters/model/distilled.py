@@ -47,6 +47,7 @@ __all__ = [
     "DistilledDrafter",
     "DraftSpec",
     "build_draft_model",
+    "checksum_matches",
     "default_drafter_path",
     "embedding_checksum",
     "load_default_drafter",
@@ -129,6 +130,26 @@ def embedding_checksum(model: Any) -> float:
     """A fingerprint of the target: the sum of its first 64 embedding rows (fp64)."""
     embed, _, _ = target_parts(model)
     return float(embed.weight[:64].detach().double().sum())
+
+
+def checksum_matches(model: Any, expected: float) -> bool:
+    """Whether ``model``'s :func:`embedding_checksum` is ``expected`` (a drafter trained on
+    the model, in whatever precision it was loaded then), up to the rounding of the
+    precision it is loaded in now.
+
+    A model loaded in bf16 holds its fp32 weights rounded to 8 significant bits: each
+    summed value moves by at most ``eps/2`` of itself, in random directions, so the sum
+    moves by about ``eps * sqrt(sum of squares)``; six times that still sits ~30x below
+    what another model's rows differ by (about ``sqrt(2 * sum of squares)``). In fp32 the
+    rule is the old relative 1e-3.
+    """
+    embed, _, _ = target_parts(model)
+    rows = embed.weight[:64].detach().double()
+    got = float(rows.sum())
+    eps = float(torch.finfo(embed.weight.dtype).eps) if embed.weight.is_floating_point() \
+        else 0.0
+    tol = max(1e-3 * max(1.0, abs(expected)), 6.0 * eps * float(rows.pow(2).sum().sqrt()))
+    return abs(got - expected) <= tol
 
 
 def build_draft_model(target_model: Any, spec: DraftSpec) -> Any:
@@ -224,7 +245,8 @@ class DistilledDrafter(ModelDrafter):
         super().__init__(model, config, vocab_size=None, name=name)
         if not 0.0 <= stop_below < 1.0:
             raise ConfigError(f"stop_below must be in [0, 1), got {stop_below!r}")
-        self.draft_vocab = draft_vocab.to(self.device)  # [N]
+        # [N], on the CPU: the scatter below acts on ModelDrafter._feed's CPU logits.
+        self.draft_vocab = draft_vocab.cpu()
         self.full_vocab = vocab_size
         self.stop_below = stop_below
 
@@ -341,7 +363,7 @@ def load_distilled_drafter(
     model = target.model
     spec, tensors = read_artifact(path)
     checksum = embedding_checksum(model)
-    if abs(checksum - spec.checksum) > 1e-3 * max(1.0, abs(spec.checksum)):
+    if not checksum_matches(model, spec.checksum):
         raise ModelLoadError(
             f"{path} was distilled from {spec.target_name!r}, not from this target "
             f"{target.name!r} (embedding checksum {checksum:.4f} != "

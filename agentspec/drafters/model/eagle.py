@@ -27,6 +27,13 @@ drafts nothing rather than guessing.
 Each request's feature stream and head cache are its own, keyed by request id
 (:attr:`~agentspec.types.DraftContext.state_key`), so requests may interleave.
 
+Devices: the head runs on the target model's device (:attr:`EagleHead.device`), and so do
+its KV caches and the feature rows it keeps (moved there as they arrive: a no-op when the
+target's ``last_features()`` is already there). A draft's tokens stay on that device
+between the head's forwards (no host round trip per drafted token); the finished draft
+(its ids, and ``probs`` of keyed drafts) is on the CPU, where the verifiers compare it with
+the target's logits.
+
 A session's next request usually resends the conversation, so its prompt extends the last
 request's tokens. A finished request's head cache is therefore kept for its session (at
 most ``_MAX_CARRY`` sessions) and the session's next request starts from it: the entries of
@@ -150,6 +157,7 @@ class EagleDrafter:
         self.forwards = 0
         spec = head.spec
         self._ids = torch.tensor(spec.draft_vocab, dtype=torch.long)  # [N] -> full vocab id
+        self._ids_dev = self._ids.to(head.device)  # the same, where the head's logits are
         self._ids_np = np.asarray(spec.draft_vocab, dtype=np.uint64)  # keyed-noise counters
         self._vocab = spec.target_vocab
         # Live requests' streams, in the one home of per-request state.
@@ -158,8 +166,7 @@ class EagleDrafter:
         self.carried_pairs = 0  # head entries reused from a session's earlier request
 
     def _new_stream(self, key: Hashable) -> _Stream:
-        spec = self.head.spec
-        stream = _Stream(HeadCache(spec.kv_heads, spec.head_dim))
+        stream = _Stream(self.head.new_cache())
         self._streams.put(key, stream)
         return stream
 
@@ -198,8 +205,8 @@ class EagleDrafter:
         m = int(features.shape[0])
         if m:
             skip = max(0, stream.fed - start)  # rows whose pairs a carried cache holds
-            if skip < m:
-                stream.feats.append(features[skip:].detach())
+            if skip < m:  # kept on the head's device (a no-op when already there)
+                stream.feats.append(features[skip:].detach().to(self.head.device))
             stream.n_feats += m
 
     # -- the Drafter protocol -------------------------------------------------------------
@@ -219,35 +226,38 @@ class EagleDrafter:
         noise = None if key is None else row_keys(key, range(len(ctx.generated),
                                                              len(ctx.generated) + k))
         rows: list[torch.Tensor] = []
+        dev = self.head.device
         with torch.inference_mode():
             last = self._catch_up(stream, tokens)
             if last is None:
                 return Draft(source=self.name)
             cache = stream.cache
-            draft: list[int] = []
+            picked: list[torch.Tensor] = []  # full-vocabulary ids [1], on the head's device
             base = cache.n
             pos = len(tokens) - 1  # position of the pending token's pair (f̂, d_1)
             while True:
                 logits = self.head.logits(last)  # [N]
                 top, j = logits.max(dim=-1)
                 # p(top) = exp(top - logsumexp): only computed when a cut is configured.
-                if (draft and self.config.min_confidence > 0.0 and float(
+                if (picked and self.config.min_confidence > 0.0 and float(
                         torch.exp(top - torch.logsumexp(logits, dim=-1)))
                         < self.config.min_confidence):
                     break
                 if noise is not None and ctx.sampling is not None:  # coupled keyed draw
-                    dist = process_logits(logits[None], ctx.sampling)  # [1, N]
-                    j = keyed_choice(dist, noise[len(draft) : len(draft) + 1], self._ids_np)[0]
-                    rows.append(torch.zeros(self._vocab).index_copy_(0, self._ids, dist[0]))
-                draft.append(int(self._ids[int(j)]))
-                if len(draft) >= k:
+                    dist = process_logits(logits[None], ctx.sampling)[0].cpu()  # [N]
+                    j = keyed_choice(dist[None], noise[len(picked) : len(picked) + 1],
+                                     self._ids_np)[0].to(dev)
+                    rows.append(torch.zeros(self._vocab).index_copy_(0, self._ids, dist))
+                picked.append(self._ids_dev.index_select(0, j.view(1)))  # no host sync
+                if len(picked) >= k:
                     break
-                out = self.head(last.view(1, 1, -1), torch.tensor([[draft[-1]]]),
-                                torch.tensor([pos]), cache)  # [1, 1, H]
+                out = self.head(last.view(1, 1, -1), picked[-1].view(1, 1),
+                                torch.tensor([pos], device=dev), cache)  # [1, 1, H]
                 self.forwards += 1
                 last, pos = out[0, -1], pos + 1
             cache.crop(base)  # drafted pairs were speculative
-        probs = torch.stack(rows) if rows else None  # [k, V]
+            draft = [int(t) for t in torch.cat(picked).cpu().tolist()]  # one host copy
+        probs = torch.stack(rows) if rows else None  # [k, V] on the CPU
         return Draft(tokens=draft, probs=probs, source=self.name)
 
     def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
@@ -305,9 +315,11 @@ class EagleDrafter:
         position ``[H]`` (``None`` when there is no pair at all: a one-token prompt)."""
         n = len(tokens) - 1  # pairs i = 0 .. n-1 exist: f_i and x_{i+1} are committed
         if stream.fed < n:
+            dev = self.head.device
             rows = torch.cat(stream.feats)  # [n - fed, H]: positions fed .. n-1
-            nxt = torch.tensor([list(tokens[stream.fed + 1 : n + 1])])  # [1, n - fed]
-            out = self.head(rows[None], nxt, torch.arange(stream.fed, n), stream.cache)
+            nxt = torch.tensor([list(tokens[stream.fed + 1 : n + 1])], device=dev)  # [1, n - fed]
+            out = self.head(rows[None], nxt, torch.arange(stream.fed, n, device=dev),
+                            stream.cache)
             self.forwards += 1
             stream.last, stream.fed, stream.feats = out[0, -1], n, []
         return stream.last
@@ -321,10 +333,12 @@ def eagle_path(target_name: str) -> Path | None:
 
 
 def save_eagle(path: Path, head: EagleHead) -> None:
-    """Write ``head`` as an artifact (fp16 tensors, atomically replaced)."""
+    """Write ``head`` as an artifact (fp16 tensors copied to the CPU, atomically replaced)."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.to(torch.float16).contiguous() for k, v in head.trained_state().items()}
+    # Copied to the CPU first: a head trained on a GPU saves as it is.
+    tensors = {k: v.detach().to(torch.float16).cpu().contiguous()
+               for k, v in head.trained_state().items()}
     tensors["draft_vocab"] = torch.tensor(head.spec.draft_vocab, dtype=torch.int32)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -353,7 +367,7 @@ def read_head(model: Any, path: str | Path) -> EagleHead:
     """
     from safetensors import safe_open
 
-    from agentspec.drafters.model.distilled import embedding_checksum
+    from agentspec.drafters.model.distilled import checksum_matches
 
     path = Path(path)
     if not path.is_file():
@@ -374,11 +388,11 @@ def read_head(model: Any, path: str | Path) -> EagleHead:
             f"{spec.hidden}-wide target, not this {tuple(embed.shape)} one; retrain it with "
             "`agentspec train-drafter --kind eagle`"
         )
-    if abs(embedding_checksum(model) - spec.checksum) > 1e-3 * max(1.0, abs(spec.checksum)):
+    if not checksum_matches(model, spec.checksum):  # in any precision it is loaded in
         raise ModelLoadError(f"EAGLE head {path} was trained for {spec.target_name!r}, "
                              "whose weights differ from this target's")
     head = build_head(model, spec)
-    try:
+    try:  # load_state_dict copies the (CPU) file tensors onto the head's device
         head.load_state_dict({k: v.float() for k, v in tensors.items()})
     except RuntimeError as exc:
         raise ModelLoadError(f"EAGLE head {path} does not fit its own spec: {exc}") from None
@@ -386,10 +400,12 @@ def read_head(model: Any, path: str | Path) -> EagleHead:
 
 
 def build_head(model: Any, spec: HeadSpec) -> EagleHead:
-    """An (untrained) head on ``model``'s embedding and LM-head rows of the draft vocab."""
-    ids = torch.tensor(spec.draft_vocab, dtype=torch.long)
+    """An (untrained) head on ``model``'s embedding and LM-head rows of the draft vocab,
+    on the model's device (the head follows the target)."""
     embed = model.get_input_embeddings().weight.detach().float()  # [V, H]
-    out = model.get_output_embeddings().weight.detach().float()[ids]  # [N, H]
+    head_w = model.get_output_embeddings().weight.detach()
+    ids = torch.tensor(spec.draft_vocab, dtype=torch.long, device=head_w.device)
+    out = head_w.float()[ids]  # [N, H]
     return EagleHead(spec, embed, out)
 
 

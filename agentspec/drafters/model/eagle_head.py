@@ -22,6 +22,12 @@ For SmolLM2-135M one drafted token costs ~1/30 of a target forward plus an 8,192
 
 Training (``agentspec.training.eagle``) and drafting (``agentspec.drafters.model.eagle``) share
 this module; drafting calls :meth:`EagleHead.forward` with a :class:`HeadCache`.
+
+Devices: the target owns them. The head lives where the target's embedding lives (its
+parameters are moved there when it is built, :attr:`EagleHead.device`), its
+:class:`HeadCache` too, and :meth:`EagleHead.forward` moves its inputs (feature rows,
+tokens, positions) there: a no-op when they already are, one small copy when a caller
+built them on the CPU.
 """
 
 from __future__ import annotations
@@ -158,10 +164,16 @@ class _RMSNorm(torch.nn.Module):
 
 class HeadCache:
     """Keys and values of the head's one layer, ``[1, g, n, d]``, grown in place
-    (capacity doubles) so appending a drafted token copies nothing old."""
+    (capacity doubles) so appending a drafted token copies nothing old.
 
-    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
-        self.k = torch.empty(1, kv_heads, capacity, head_dim)
+    It lives on ``device`` (the head's: :attr:`EagleHead.device`); keys appended from
+    another device or dtype move the cache to theirs (the head's keys decide).
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 256,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.k = torch.empty(1, kv_heads, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.n = 0
 
@@ -172,9 +184,12 @@ class HeadCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``[1, g, m, d]`` keys and values."""
         m = k.shape[2]
+        if self.k.device != k.device or self.k.dtype != k.dtype:  # follow the head
+            self.k = self.k.to(device=k.device, dtype=k.dtype)
+            self.v = self.v.to(device=k.device, dtype=k.dtype)
         if self.n + m > self.k.shape[2]:
             cap = max(2 * self.k.shape[2], self.n + m)
-            grown_k = torch.empty(1, self.k.shape[1], cap, self.k.shape[3])
+            grown_k = self.k.new_empty(1, self.k.shape[1], cap, self.k.shape[3])
             grown_v = torch.empty_like(grown_k)
             grown_k[:, :, : self.n] = self.k[:, :, : self.n]
             grown_v[:, :, : self.n] = self.v[:, :, : self.n]
@@ -193,7 +208,8 @@ class EagleHead(torch.nn.Module):
 
     Args:
         spec: The head's shape.
-        embed: The target's token embedding ``[V, H]`` (shared, frozen).
+        embed: The target's token embedding ``[V, H]`` (shared, frozen). Its device is
+            the head's: the layer's parameters are made there.
         out: The target's LM-head rows of the draft vocabulary ``[N, H]`` (frozen).
     """
 
@@ -220,6 +236,17 @@ class EagleHead(torch.nn.Module):
         self.down_proj = torch.nn.Linear(spec.intermediate, h, bias=False)
         inv = 1.0 / spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         self.register_buffer("inv_freq", inv, persistent=False)  # [d/2]
+        self.to(embed.device)  # the target's device owns the head (the buffers are there)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the head runs: the target's embedding's device."""
+        return self.embed.device
+
+    def new_cache(self, capacity: int = 256) -> HeadCache:
+        """An empty :class:`HeadCache` on the head's device."""
+        return HeadCache(self.spec.kv_heads, self.spec.head_dim, capacity,
+                         device=self.device, dtype=self.fc.weight.dtype)
 
     def init_identity(self, seed: int = 0) -> None:
         """Start as "the next feature is this feature plus this token": ``fc = [I | I]``
@@ -242,7 +269,7 @@ class EagleHead(torch.nn.Module):
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [B, heads, T, d]; rotate pairs (i, i + d/2) by angle position * inv_freq.
-        ang = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        ang = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat([ang.cos(), ang.cos()], dim=-1)  # [T, d]
         sin = torch.cat([ang.sin(), ang.sin()], dim=-1)
         half = x.shape[-1] // 2
@@ -260,9 +287,14 @@ class EagleHead(torch.nn.Module):
 
         Without ``cache`` the T pairs attend causally among themselves (training). With a
         cache (``B == 1``) they attend to the cached pairs too, and their keys/values are
-        appended to it.
+        appended to it. Inputs are moved to the head's device (:attr:`device`) and its
+        dtype (a no-op when already there).
         """
         s = self.spec
+        dev = self.device
+        feats = feats.to(device=dev, dtype=self.fc.weight.dtype)
+        tokens = tokens.to(dev)
+        positions = positions.to(dev)
         b, t, _ = feats.shape
         x = self.fc(torch.cat([self.norm_f(feats), self.norm_e(self.embed[tokens])], dim=-1))
         a = self.norm_a(x)
@@ -277,8 +309,8 @@ class EagleHead(torch.nn.Module):
             cache.append(k, v)
             k, v = cache.view()  # [1, g, past + T, d]
             if t > 1:  # new pair r sees the past and new pairs <= r
-                cols = torch.arange(past + t)
-                mask = cols[None, :] <= (past + torch.arange(t))[:, None]  # [T, past + T]
+                cols = torch.arange(past + t, device=dev)
+                mask = cols[None, :] <= (past + torch.arange(t, device=dev))[:, None]
         group = s.heads // s.kv_heads
         k = k.repeat_interleave(group, dim=1)  # [B, h, n, d]
         v = v.repeat_interleave(group, dim=1)
@@ -289,5 +321,6 @@ class EagleHead(torch.nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits ``[.., N]`` of predicted features ``[.., H]``."""
-        return feats @ self.out.T
+        """Draft-vocabulary logits ``[.., N]`` of predicted features ``[.., H]`` (on the
+        head's device)."""
+        return feats.to(self.out.device) @ self.out.T

@@ -430,5 +430,10 @@ class SuffixIndex:
             tokens.append(tok)
             parents.append(parent)
             probs.append(-neg_p)
-            push(x, -neg_p, len(tokens) - 1)
+            # Expand a node only while the tree can still take its children: a full tree's
+            # last node may sit at depth ``limit``, and its children (strings of length up to
+            # ``max_depth + max_draft + 1``) lie past the cap, where counts are not kept (a
+            # state there may have count 0, so the children's total may be 0).
+            if len(tokens) < limit:
+                push(x, -neg_p, len(tokens) - 1)
         return TreeSpeculation(tokens, parents, probs, ell, sum(probs))

@@ -1,0 +1,200 @@
+"""Shape-stable forwards make bf16 speculation token-identical to plain bf16 decoding.
+
+The tiny model here is bf16 with a narrow init (flat logits, near-ties everywhere), where
+speculation without the stable shapes demonstrably changes answers; with them, every draft
+kind gives plain decoding's tokens, on the CPU policy (padded rows, aligned key lengths)
+and on the CUDA policy run on the CPU (static buffers, one shape, the graph's body with
+device-side key slots).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from agentspec.engine import EngineConfig, SpeculativeDecoder
+from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.stable import StablePolicy, attend_length, chunks, invariant_rows
+from agentspec.targets.step_graph import StepGraph
+from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def flat_bf16() -> torch.nn.Module:
+    """A 4-layer bf16 Llama whose logits are nearly flat (many near-ties), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.02, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+class NoisyOracle:
+    """Drafts the reference, with one token flipped in ~30 % of drafts (seeded)."""
+
+    name = "noisy-oracle"
+
+    def __init__(self, ref: list[int], rng: random.Random) -> None:
+        self.ref, self.rng = ref, rng
+
+    def propose(self, ctx: DraftContext, max_tokens: int) -> Draft:
+        p = len(ctx.generated)
+        d = list(self.ref[p : p + max_tokens])
+        if d and self.rng.random() < 0.3:
+            d[len(d) // 2] = (d[len(d) // 2] + 1) % VOCAB
+        return Draft(tokens=d, source=self.name)
+
+    def observe(self, ctx: DraftContext, result: VerifyResult) -> None:
+        pass
+
+    def finish(self, ctx: DraftContext) -> None:
+        pass
+
+
+def _mismatches(target: Any, trials: int = 16, seed: int = 0) -> int:
+    rng = random.Random(seed)
+    bad = 0
+    for _ in range(trials):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(3, 40))]
+        plain = SpeculativeDecoder(target, None).generate(prompt, max_tokens=60).tokens
+        drafter = NoisyOracle([*plain, 5, 5, 5, 5, 5, 5, 5, 5], rng)
+        cfg = EngineConfig(max_draft=rng.choice([3, 8, 16]))
+        spec = SpeculativeDecoder(target, drafter, config=cfg).generate(prompt, max_tokens=60)
+        bad += spec.tokens != plain
+    return bad
+
+
+def test_bf16_speculation_differs_without_stable_shapes(flat_bf16: torch.nn.Module) -> None:
+    """The failure the stable shapes cure is real on this model (else the tests below
+    could not fail)."""
+    target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu")
+    assert _mismatches(target) > 0
+
+
+@pytest.mark.parametrize("layout", ["cpu", "static"])
+def test_bf16_speculation_identical_with_stable_shapes(flat_bf16: torch.nn.Module,
+                                                       layout: str) -> None:
+    """The CPU policy as a bf16 target gets it at load, and the CUDA layout (static
+    buffers, one shape) run on the CPU."""
+    policy = (TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+              if layout == "cpu" else StablePolicy(min_rows=8, max_rows=8, align=None))
+    target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
+    assert target.shape_stable
+    assert _mismatches(target) == 0
+
+
+def test_stable_logits_match_each_other_row_by_row(flat_bf16: torch.nn.Module) -> None:
+    """A position's logits are the same bits whether it is scored alone or inside a
+    verify of any length (what the engine-level identity rests on)."""
+    target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None,
+                      StablePolicy.for_device("cpu"))
+    rng = random.Random(1)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(30)]
+    cont = [rng.randrange(2, VOCAB) for _ in range(20)]
+    target.prefill(prompt)
+    one_by_one = torch.cat([target.score([t]) for t in cont])  # [20, V]
+    for k in (2, 5, 9, 20):
+        target.prefill(prompt)
+        rows = torch.cat([target.score(cont[i : i + k]) for i in range(0, len(cont), k)])
+        assert torch.equal(rows, one_by_one), k
+
+
+def test_graph_body_equals_eager_step(flat_bf16: torch.nn.Module) -> None:
+    """The step a CUDA graph records (keys written at device-side slots, the fill mark
+    advanced by the caller) gives the eager stable step's logits and leaves the same
+    cache."""
+    policy = StablePolicy(min_rows=8, max_rows=8, align=None)
+    a = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
+    b = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
+    prompt = list(range(2, 40))
+    a.prefill(prompt)
+    b.prefill(prompt)
+    graph = StepGraph(b.kv, 8, b.kv.static_length)
+    for step in ([7], [8, 9, 10], [11]):
+        want = a.score(step)  # [n, V]
+        ids = [*step, *[step[-1]] * (8 - len(step))]
+        start = b.kv.num_cached
+        graph._ids.copy_(torch.tensor([ids]))
+        graph._start.fill_(start)
+        logits, _ = graph._body()
+        for layer in b.kv._growing_layers():
+            layer.set_filled(start + len(step))
+        assert torch.equal(logits[: len(step)].float(), want)
+    assert b.kv.num_cached == a.kv.num_cached
+
+
+def test_reuse_with_stable_shapes_is_identical(flat_bf16: torch.nn.Module) -> None:
+    """Prefix reuse across turns keeps plain and speculative answers identical."""
+    from agentspec.targets.prefix_cache import PrefixCache
+
+    def run(draft: bool) -> list[list[int]]:
+        target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu",
+                          PrefixCache(budget_bytes=1 << 26, block_size=16),
+                          StablePolicy.for_device("cpu"))
+        rng, noise = random.Random(3), random.Random(4)
+        history: list[int] = []
+        answers = []
+        for _turn in range(3):
+            history += [rng.randrange(2, VOCAB) for _ in range(rng.randint(5, 30))]
+            drafter = NoisyOracle(history[-40:] * 3, noise) if draft else None
+            out = SpeculativeDecoder(target, drafter, config=EngineConfig(max_draft=8))
+            res = out.generate(list(history), max_tokens=30,
+                               session=SessionRef("s", tenant="t"))
+            assert _turn == 0 or target.reused_tokens > 0
+            answers.append(res.tokens)
+            history += res.tokens
+        return answers
+
+    assert run(False) == run(True)
+
+
+def test_policy_rules() -> None:
+    assert chunks(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert chunks([1, 2], 0) == [[1, 2]]
+    cpu = StablePolicy.for_device("cpu")
+    assert attend_length(1, cpu, 0) == 512 and attend_length(513, cpu, 0) == 1024
+    cuda = StablePolicy.for_device("cuda")
+    assert cuda.one_shape and cuda.graphs and attend_length(5, cuda, 4096) == 4096
+    auto = TargetConfig(dtype="bfloat16")
+    assert auto.stable_policy("cpu") is not None
+    assert TargetConfig().stable_policy("cpu") is None  # fp32 on the CPU: exact as it is
+    assert TargetConfig().stable_policy("cuda") is not None
+    assert TargetConfig(dtype="bfloat16", shape_stable=False).stable_policy("cuda") is None
+
+
+def test_invariant_rows_on_the_tiny_model(flat_bf16: torch.nn.Module) -> None:
+    # 1 or 2 on this machine's kernels (None: every forward chunked to 8 rows).
+    assert invariant_rows(flat_bf16) in (1, 2, None)
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+def test_stable_attention_computes_sdpa(kind: str) -> None:
+    """The row-invariant products compute what SDPA computes, with transformers' boolean
+    masks (True: attend), additive masks or none (up to rounding)."""
+    from agentspec.targets.attention import stable_attention
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 4, 16, generator=gen)
+    k = torch.randn(2, 3, 11, 16, generator=gen)
+    v = torch.randn(2, 3, 11, 16, generator=gen)
+    keep = torch.rand(2, 1, 4, 11, generator=gen) > 0.3
+    keep[..., 0] = True  # every query sees a key
+    mask: torch.Tensor | None = None
+    if kind == "bool":
+        mask = keep
+    elif kind == "additive":
+        mask = torch.zeros(2, 1, 4, 11).masked_fill(~keep, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    got = stable_attention(q, k, v, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
