@@ -25,6 +25,9 @@
 #                 both bf16 runs fit); run twice: the summary checks both gave the same tokens
 #   drive         agentspec drive --methods $DRIVE_METHODS --reuse on --turns 10
 #                 --max-prompt 4096 --max-tokens 64 --device $DEVICE --out $OUT_DIR/drive.json
+#   profile       scripts/step_profile.py --device $DEVICE --tokens 96: a step's wall, device
+#                 and drafter time, eager against shape-stable (+ CUDA graph), plain and
+#                 suffix, fp32 and bf16, and the top operators ($OUT_DIR/step_profile.json)
 #   summary       python -m workflows.report.gpu_check $OUT_DIR: the table on stdout and
 #                 $OUT_DIR/summary.json (always runs, within its reserve RESERVE_S)
 # A bench or drive that fails (not one that runs out of time) is retried once with the
@@ -32,12 +35,12 @@
 # the time that the later steps do not need allows it (RETRY=0: never).
 #
 # Time: each step may run for its share of DEADLINE_S (PCT_FP32 30, PCT_BF16 20 each,
-# PCT_DRIVE 20 per cent) plus whatever the earlier steps left unused; a step that would have
+# PCT_DRIVE 20, PCT_PROFILE 10 per cent) plus whatever the earlier steps left unused; a step that would have
 # less than MIN_STEP_S (default 20) before the deadline is skipped and reported as skipped.
 # `agentspec bench` writes its JSON only at the end: a bench cut by its limit leaves nothing.
 #
-# Environment: OUT_DIR (results/gpu_check), STEPS (bench, drive or step names; default
-# "bench drive"), DTYPES ("float32 bfloat16"), DEADLINE_S (480), DEVICE (cuda; cpu runs the
+# Environment: OUT_DIR (results/gpu_check), STEPS (bench, drive, profile or step names;
+# default "bench drive profile"), DTYPES ("float32 bfloat16"), DEADLINE_S (480), DEVICE (cuda; cpu runs the
 # flow without a GPU), PY, MODEL (a shipped model; default the embedded one), WORKLOADS
 # (delegate52,tool_agent,chat), METHODS (greedy,prompt_lookup,suffix,hybrid,asd_b1),
 # DRIVE_METHODS (plain,suffix,hybrid,ceiling), EXTRA_BENCH_ARGS, BF16_METHODS, BF16_ARGS,
@@ -45,7 +48,7 @@
 # HEAD (an EAGLE head file for hybrid / asd: the CLI has no flag for one, so it is put where
 # agentspec looks first, $AGENTSPEC_HOME/drafters/<model>-eagle.safetensors, for the run and
 # the file it replaced is put back at the end), RETRY, FALLBACK_METHODS, FALLBACK_DRIVE_METHODS,
-# MIN_STEP_S, RESERVE_S, PCT_FP32, PCT_BF16, PCT_DRIVE, KEEP (1: keep the results of steps
+# MIN_STEP_S, RESERVE_S, PCT_FP32, PCT_BF16, PCT_DRIVE, PCT_PROFILE, KEEP (1: keep the results of steps
 # this run does not repeat; default: the folder holds this run's only), GPU_VENV, PYTHON,
 # TORCH_INDEX_URL.
 # Exit: 0 every step ok; 1 some step failed, ran out of time or was skipped; 2 no GPU or no
@@ -55,7 +58,7 @@ cd "$(dirname "$0")/.." || exit 2
 T0=$SECONDS
 
 DIR="${OUT_DIR:-results/gpu_check}"
-STEPS="${STEPS:-bench drive}"
+STEPS="${STEPS:-bench drive profile}"
 DTYPES="${DTYPES:-float32 bfloat16}"
 DEADLINE_S="${DEADLINE_S:-480}"
 DEVICE="${DEVICE:-cuda}"
@@ -79,6 +82,7 @@ RESERVE_S="${RESERVE_S:-15}"
 PCT_FP32="${PCT_FP32:-30}"
 PCT_BF16="${PCT_BF16:-20}"
 PCT_DRIVE="${PCT_DRIVE:-20}"
+PCT_PROFILE="${PCT_PROFILE:-10}"
 VENV="${GPU_VENV:-.venv-gpu}"
 STAGE=/tmp/agentspec-stage
 
@@ -226,6 +230,7 @@ for dt in $DTYPES; do
     esac
 done
 plan drive "$PCT_DRIVE"
+plan profile "$PCT_PROFILE"
 [ ${#PLAN[@]} -gt 0 ] || say "note: STEPS='$STEPS' and DTYPES='$DTYPES' select no step"
 say "plan: ${PLAN[*]:-nothing} within $((DEADLINE_S - (SECONDS - T0))) s (deadline ${DEADLINE_S} s)"
 
@@ -279,6 +284,11 @@ run_step() {  # name limit_s cmd...: run under timeout, log, record; sets LAST_R
 for i in "${!PLAN[@]}"; do
     name=${PLAN[i]}
     case "$name" in
+        profile)
+            rm -f "$DIR/step_profile.json" "$DIR/profile.log"
+            run_step profile "$(limit_for "$i")" "$PY" scripts/step_profile.py \
+                --device "$DEVICE" --tokens 96 --out "$DIR/step_profile.json"
+            continue ;;
         bench-fp32) dtype=float32; extra=(); methods=$METHODS ;;
         bench-bf16-*) dtype=bfloat16; read -r -a extra <<< "$BF16_ARGS"; methods=$BF16_METHODS ;;
         drive) ;;

@@ -15,18 +15,15 @@ scoring, with the cache's state explicit) and :class:`~agentspec.targets.cost_me
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentspec.errors import ConfigError, DeviceUnavailableError
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, linear, stable
+from agentspec.targets import attention, costs, linear
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter
 from agentspec.targets.kv import ModelKV
@@ -36,6 +33,7 @@ from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.targets.reuse import PrefixReuse, prefix_store
 from agentspec.targets.scoring import Batch, Scorer
 from agentspec.targets.stable import StablePolicy
+from agentspec.targets.target_config import TargetConfig as TargetConfig  # re-exported
 
 #: Tokens per forward when a prompt's tail is fed after reused KV. One forward over the
 #: whole tail attends every new token to every new token (a full [tail, cached + tail]
@@ -45,91 +43,6 @@ from agentspec.targets.stable import StablePolicy
 #: (``docs/prefix-cache.md``).
 PREFILL_CHUNK = 512
 _CANCELLED = "the request was cancelled during its prefill"
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    """Settings of a :class:`HFTarget`.
-
-    Attributes:
-        model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
-        dtype: ``"float32"`` or ``"bfloat16"``; both exact against plain decoding in the
-            same precision (bf16 through shape-stable forwards, see ``shape_stable``).
-        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). The target's
-            device owns every tensor that meets its model: drafters, heads and the prefix
-            store follow it.
-        prefix_cache_bytes: Budget of the KV prefix store (see
-            :mod:`agentspec.targets.prefix_cache`); 0 disables prefix reuse; ``None`` (the
-            default) sizes it from the memory available where its blocks live (the
-            target's device) once the model is loaded
-            (:func:`~agentspec.targets.prefix_cache.auto_budget_bytes`).
-        prefix_spill_bytes: Budget of the store's disk copies under
-            ``$AGENTSPEC_HOME/prefix-kv/<model>-<fingerprint>-<dtype>`` (a session's prefix
-            KV survives a restart; see :mod:`agentspec.targets.kv_spill`); 0: memory only.
-        measure_costs: Measure the verify cost curves the draft gate prices drafts with
-            when the model loads, if ``$AGENTSPEC_HOME/costs`` does not hold them yet (once
-            per machine, a progress line); ``False`` leaves the gate on its safe prior
-            (short drafts only) until forwards have been timed.
-        shape_stable: Give every decode forward (a plain step or a verify) the same
-            shapes, so a row's logits never depend on how many rows share its forward
-            (:mod:`agentspec.targets.stable`): what makes bf16 speculation token-identical
-            to plain bf16 decoding, and on CUDA what lets a step run as a captured graph.
-            ``None`` (auto): on for bfloat16 and on CUDA, off for fp32 on the CPU (exact
-            without it; tree drafts verify as chains while it is on).
-        cuda_graphs: Capture the shape-stable CUDA step as a graph (falls back to eager
-            steps, with a warning, if capture fails).
-    """
-
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    prefix_cache_bytes: int | None = None
-    prefix_spill_bytes: int = 0
-    measure_costs: bool = True
-    shape_stable: bool | None = None
-    cuda_graphs: bool = True
-
-    def stable_policy(self, device: str, model: Any = None) -> StablePolicy | None:
-        """The shape-stable policy for ``device`` (``None``: forwards keep their shapes).
-        On the CPU ``model``'s products are checked for row-count invariance
-        (:func:`~agentspec.targets.stable.invariant_rows`): a plain step is padded to the
-        fewest rows they are invariant from (fixed-size chunks where they are not)."""
-        on = self.shape_stable
-        if on is None:
-            on = self.dtype == "bfloat16" or device.startswith("cuda")
-        if not on or (model is not None and not stable.full_attention(model)):
-            return None
-        policy = StablePolicy.for_device(device, graphs=self.cuda_graphs)
-        if model is not None and not device.startswith("cuda"):
-            rows = stable.invariant_rows(model)
-            policy = (dataclasses.replace(policy, min_rows=rows) if rows is not None else
-                      dataclasses.replace(policy, min_rows=stable.CPU_MIN_ROWS,
-                                          max_rows=stable.CPU_MIN_ROWS))
-        return policy
-
-    def __post_init__(self) -> None:
-        for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-
-    def resolved_device(self) -> str:
-        """The device actually used.
-
-        Raises:
-            DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
-        """
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise DeviceUnavailableError(
-                "device='cuda' was asked for, but torch finds no CUDA device on this machine "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
-                "use device='cpu' or 'auto' (--device cpu|auto)")
-        return self.device
 
 
 class HFTarget:

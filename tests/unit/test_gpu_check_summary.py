@@ -152,3 +152,21 @@ def test_empty_folder(tmp_path: Path, capsys: Any) -> None:
     assert main([str(tmp_path)]) == 0
     assert "(no results)" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_step_profile_rows_and_a_mismatch_are_reported(tmp_path: Path) -> None:
+    import json
+
+    from workflows.report.gpu_check import format_table, summarize
+
+    rows = [{"dtype": "bfloat16", "mode": m, "method": "plain", "tok_s": 400.0,
+             "wall_ms_per_step": 2.5, "device_ms_per_step": 1.0, "host_ms_per_step": 1.5,
+             "drafter_ms_per_step": 0.0, "accepted_per_step": 1.0, "graph": g,
+             "output": out}
+            for m, g, out in (("eager", None, [1, 2, 3]), ("stable", "9 replays", [1, 2, 4]))]
+    (tmp_path / "step_profile.json").write_text(json.dumps(rows))
+    summary = summarize(tmp_path)
+    assert [r["mode"] for r in summary["profile"]] == ["eager", "stable"]
+    assert any("did not all give the same tokens" in p for p in summary["problems"])
+    text = format_table(summary)
+    assert "step profile" in text and "9 replays" in text

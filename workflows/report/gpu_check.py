@@ -73,6 +73,16 @@ def _load(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _load_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON list (``scripts/step_profile.py``'s file); none when absent or
+    unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in data if isinstance(r, dict)] if isinstance(data, list) else []
+
+
 def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     """Per ``(workload, method)``: did runs ``a`` and ``b`` produce the same tokens?
 
@@ -195,13 +205,28 @@ def summarize(folder: Path) -> dict[str, Any]:
                          "turns_planned": st.get("turns"), "load_s": st.get("load_s")}
         if not drive.get("all_identical", True):
             problems.append("drive: variants produced different tokens")
+    prof = folder / "step_profile.json"
+    profile = _load_rows(prof)
+    for r in profile:
+        if r.get("error"):
+            problems.append(f"profile {r.get('dtype')} {r.get('mode')}: {r['error']}")
+    for dtype in {r.get("dtype") for r in profile if "output" in r}:
+        outs = [r["output"] for r in profile if r.get("dtype") == dtype and "output" in r]
+        if any(o != outs[0] for o in outs[1:]):
+            problems.append(f"profile {dtype}: eager and stable, plain and suffix did not all "
+                            "give the same tokens")
     for s in steps:
         if s["status"] != "ok":
             problems.append(f"step {s['step']}: {s['status']}"
                             + (f" (exit {s['rc']})" if s["rc"] not in (None, 0) else "")
                             + (f": {s['note']}" if s.get("note") else ""))
+    profile_rows = [{k: r.get(k) for k in ("dtype", "mode", "method", "tok_s",
+                                           "wall_ms_per_step", "device_ms_per_step",
+                                           "host_ms_per_step", "drafter_ms_per_step",
+                                           "accepted_per_step", "graph")}
+                    for r in profile if "output" in r]
     return {"folder": str(folder), "env": env, "runs": info, "rows": rows, "steps": steps,
-            "problems": problems}
+            "profile": profile_rows, "problems": problems}
 
 
 def _yes_no(ok: bool | None, part: int | None, whole: int | None, unit: str) -> str:
@@ -248,6 +273,17 @@ def format_table(summary: dict[str, Any]) -> str:
                    "(later turns); =greedy = all variants gave the same tokens")
     out.append("acc.len = tokens per target forward; a=b = runs <x>-a and <x>-b produced the "
                "same tokens")
+    if summary.get("profile"):
+        out.append("")
+        out.append("step profile (ms per step; host = wall - device):")
+        for r in summary["profile"]:
+            def ms(key: str, row: dict[str, Any] = r) -> str:
+                v = row.get(key)
+                return f"{v:7.2f}" if isinstance(v, (int, float)) else "      -"
+            out.append(f"  {r['dtype']:9} {r['mode']:7} {r['method']:7} "
+                       f"{(r.get('tok_s') or 0):8.1f} tok/s  wall {ms('wall_ms_per_step')}  "
+                       f"device {ms('device_ms_per_step')}  host {ms('host_ms_per_step')}  "
+                       f"drafter {ms('drafter_ms_per_step')}  graph: {r.get('graph')}")
     if summary["steps"]:
         out.append("")
         out.append("steps: " + ", ".join(
