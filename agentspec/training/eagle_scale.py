@@ -35,11 +35,12 @@ is :mod:`~agentspec.training.eagle_scale_run`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,18 @@ def run_recipe(
         log(f"{clock()} {phase}: FAILED: {type(exc).__name__}: {exc}")
         save_report()
 
+    @contextlib.contextmanager
+    def timed_phase(name: str) -> Iterator[None]:
+        """Time the block as ``phases[name + "_s"]``; an error is recorded and the run goes
+        on with what exists."""
+        t0 = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            failed(name, exc)
+        finally:
+            phases[f"{name}_s"] = round(time.monotonic() - t0, 1)
+
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(dev)
@@ -338,28 +351,20 @@ def run_recipe(
 
     # -- phase 4: evaluation and save -------------------------------------------------
     if head is not None:
-        t0 = time.monotonic()
         head.eval()
-        try:
+        with timed_phase("eval"):
             if val is not None:
                 report["eval_after"] = evaluate(head, val, full_head, 8, cols)
                 log(f"{clock()} eval after training: {_fmt(report['eval_after'])}")
             else:
                 log(f"{clock()} eval: no held-out sequence was generated")
-        except Exception as exc:
-            failed("eval", exc)
-        phases["eval_s"] = round(time.monotonic() - t0, 1)
-        t0 = time.monotonic()
-        try:
+        with timed_phase("save"):
             if train_stats["steps"] > 0 or init_from is not None:
                 size = save_head(head, out)
                 report["head"].update(written=True, bytes=size, checkpoint_step=None)
                 log(f"{clock()} head written to {out} ({size / 2**20:.1f} MB)")
             else:
                 log(f"{clock()} head not written: it was never trained")
-        except Exception as exc:
-            failed("save", exc)
-        phases["save_s"] = round(time.monotonic() - t0, 1)
     report["status"] = ("ok" if not errors and report["head"]["written"]
                         else "partial" if report["head"]["written"] else "failed")
     phases["total_s"] = round(time.monotonic() - start, 1)
