@@ -74,11 +74,27 @@ def _mismatches(target: Any, trials: int = 16, seed: int = 0) -> int:
     return bad
 
 
-def test_bf16_speculation_differs_without_stable_shapes(flat_bf16: torch.nn.Module) -> None:
-    """The failure the stable shapes cure is real on this model (else the tests below
-    could not fail)."""
+def _blocks_vs_one_by_one(target: Any, k: int = 5, seed: int = 1) -> bool:
+    """Whether a continuation's logits scored in ``k``-row verify blocks are the same bits
+    as scored one position per forward."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(30)]
+    cont = [rng.randrange(2, VOCAB) for _ in range(40)]
+    target.prefill(prompt)
+    one = torch.cat([target.score([t]) for t in cont])  # [40, V]
+    target.prefill(prompt)
+    blocks = torch.cat([target.score(cont[i : i + k]) for i in range(0, len(cont), k)])
+    return torch.equal(blocks, one)
+
+
+def test_bf16_rows_depend_on_their_forward_without_stable_shapes(
+        flat_bf16: torch.nn.Module) -> None:
+    """The failure the stable shapes cure is real on this model: without them a row's
+    bf16 logits depend on how many rows share its forward (else the tests below could
+    not fail). At the token level it changed 7 of 20 requests on the machine this was
+    written on."""
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu")
-    assert _mismatches(target) > 0
+    assert not _blocks_vs_one_by_one(target)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "static"])
@@ -97,16 +113,9 @@ def test_stable_logits_match_each_other_row_by_row(flat_bf16: torch.nn.Module) -
     """A position's logits are the same bits whether it is scored alone or inside a
     verify of any length (what the engine-level identity rests on)."""
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None,
-                      StablePolicy.for_device("cpu"))
-    rng = random.Random(1)
-    prompt = [rng.randrange(2, VOCAB) for _ in range(30)]
-    cont = [rng.randrange(2, VOCAB) for _ in range(20)]
-    target.prefill(prompt)
-    one_by_one = torch.cat([target.score([t]) for t in cont])  # [20, V]
+                      TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16))
     for k in (2, 5, 9, 20):
-        target.prefill(prompt)
-        rows = torch.cat([target.score(cont[i : i + k]) for i in range(0, len(cont), k)])
-        assert torch.equal(rows, one_by_one), k
+        assert _blocks_vs_one_by_one(target, k), k
 
 
 def test_graph_body_equals_eager_step(flat_bf16: torch.nn.Module) -> None:
