@@ -43,21 +43,28 @@ class CharDecoder:
         return "".join(self.alphabet[i % len(self.alphabet)] for i in ids)
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> torch.nn.Module:
-    """A 2-layer random-weight Llama with a 96-token vocabulary, fp32, seeded."""
+def tiny_llama(layers: int = 2, max_positions: int = 512,
+               init: float = 0.2) -> torch.nn.Module:
+    """A random-weight Llama with a 96-token vocabulary (4 query heads over 2 key/value
+    heads), fp32, seeded: the unit tests' model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        # A wide init makes the logits peaked, so argmax ties (where fp32 rounding could
-        # legitimately flip a token) are vanishingly rare.
-        initializer_range=0.2, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, initializer_range=init,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> torch.nn.Module:
+    """A 2-layer random-weight Llama with a 96-token vocabulary, fp32, seeded. A wide init
+    makes the logits peaked, so argmax ties (where fp32 rounding could legitimately flip a
+    token) are vanishingly rare."""
+    return tiny_llama()
 
 
 @pytest.fixture(scope="session")

@@ -82,12 +82,13 @@ class HFTarget:
         forms = None
         if device == "cpu":  # bit-identical, no KV copy per query head (see attention.py)
             attention.install_gqa_attention(model, always=True)
-        if device == "cpu" and stable_policy is None:
-            # A short draft's few rows in the product form measured fastest on this machine
-            # (not under a shape-stable policy: the form changes with the row count).
-            forms = FormsProbe(linear.install_product_forms(model),
-                               lambda bar: linear.measure(model, bar=bar),
-                               linear.shapes(model))
+            if stable_policy is None:
+                # A short draft's few rows in the product form measured fastest on this
+                # machine (not under a shape-stable policy: the form changes with the row
+                # count).
+                forms = FormsProbe(linear.install_product_forms(model),
+                                   lambda bar: linear.measure(model, bar=bar),
+                                   linear.shapes(model))
         if stable_policy is not None:
             self.kv.make_stable(stable_policy)
         # Shape-stable forwards cost differently (padded rows, a fixed key length): their

@@ -230,22 +230,37 @@ class ModelKV:
                 for layer in self._growing_layers():
                     layer.set_filled(start + n)
                 return out
-        dtype = next(self.model.parameters()).dtype
         start_t = torch.tensor(start, dtype=torch.long, device=self.device)
-        pos, mask = step_inputs(start_t, len(ids), attend, dtype)  # [1, rows], [1,1,rows,attend]
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, rows]
+        return self.stable_call(ids_t, start_t, attend, real=n), self.features
+
+    def stable_call(self, ids: torch.Tensor, start: torch.Tensor, attend: int,
+                    real: int | None = None, device_slots: bool = False) -> torch.Tensor:
+        """The model over ``ids`` ``[1, rows]`` whose first row sits at position ``start``
+        (a 0-d long tensor on the device), every query attending ``attend`` key positions
+        under the causal mask of :func:`~agentspec.targets.stable.step_inputs`; the raw
+        logits ``[rows, V]``.
+
+        ``real``: rows the fill mark advances by. ``device_slots``: the keys go to the
+        slots computed from ``start`` on the device and the fill mark is left to the caller
+        (what a captured CUDA graph replays: no host value inside)."""
+        dtype = next(self.model.parameters()).dtype
+        # positions [1, rows], mask [1, 1, rows, attend]
+        pos, mask = step_inputs(start, int(ids.shape[1]), attend, dtype)
         plan = self.plan
-        plan.real, plan.attend = n, attend
+        plan.real, plan.attend = real, attend
+        if device_slots:
+            plan.slots, plan.defer = pos[0], True
         token = STABLE_STEP.set(True)
         try:
             with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-                    position_ids=pos, attention_mask=mask, cache_position=pos[0],
-                    use_cache=True, **{self._cache_kw: self.cache})
+                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                 cache_position=pos[0], use_cache=True,
+                                 **{self._cache_kw: self.cache})
         finally:
             plan.clear()
             STABLE_STEP.reset(token)
-        return out.logits[0], self.features
+        return out.logits[0]
 
     def _on_static(self) -> bool:
         """Whether the live cache sits on the static buffers (one row, never regrown)."""

@@ -108,7 +108,7 @@ class GrowingLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         if need <= self.capacity:
             return
-        if self._k is self._static_k():
+        if self.on_static():
             raise ValueError(f"{need} positions do not fit the static KV buffers of "
                              f"{self.capacity}")
         # A quarter beyond the need: a cache filled from stored prefix blocks is extended
@@ -152,9 +152,6 @@ class GrowingLayer(DynamicLayer):
         """Set the fill mark to ``n`` positions (after a forward with a deferred plan)."""
         self._n = n
         self._publish()
-
-    def _static_k(self) -> torch.Tensor | None:
-        return None if self.static is None else self.static[0]
 
     def on_static(self) -> bool:
         """Whether the layer's buffers are its static ones (a captured graph's)."""
@@ -214,7 +211,6 @@ def new_cache(config: Any, max_positions: int | None = None, plan: StepPlan | No
         else:
             layers.append(layer)
     cache.layers = layers
-    cache.plan = plan  # type: ignore[attr-defined]
     return cache
 
 

@@ -9,7 +9,7 @@ launches once and replays them with one call.
 A graph replays the same kernels on the same memory, so everything that varies from step
 to step must live in tensors the graph reads: the token ids (``[1, rows]``) and the start
 position (a 0-d tensor); positions, the mask and the key slots are computed from the start
-on the device inside the graph (:func:`agentspec.targets.stable.step_inputs`), and the
+on the device inside the graph (:meth:`agentspec.targets.kv.ModelKV.stable_call`), and the
 keys are written with ``index_copy_`` into the model's static KV buffers. The host-side
 fill mark is advanced by the caller (a replay runs no Python).
 
@@ -26,9 +26,6 @@ from typing import Any
 
 import torch
 
-from agentspec.targets.attention import STABLE_STEP
-from agentspec.targets.stable import step_inputs
-
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +34,7 @@ class StepGraph:
 
     Args:
         kv: The :class:`~agentspec.targets.kv.ModelKV` whose model and static KV buffers
-            the step runs on (its ``model``, ``cache``, ``plan``, ``features``).
+            the step runs on (its ``stable_call`` and ``features``).
         rows: Query rows of the step (the policy's bucket).
         attend: Key positions every query attends (the static cache's length).
 
@@ -58,22 +55,10 @@ class StepGraph:
         self._out: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step as the graph records it: every input derived from ``_ids``/``_start``."""
-        kv = self.kv
-        dtype = next(kv.model.parameters()).dtype
-        pos, mask = step_inputs(self._start, self.rows, self.attend, dtype)
-        plan = kv.plan
-        plan.slots, plan.attend, plan.defer = pos[0], self.attend, True
-        token = STABLE_STEP.set(True)  # the eager stable step's attention, wherever installed
-        try:
-            with torch.inference_mode():
-                out = kv.model(input_ids=self._ids, position_ids=pos, attention_mask=mask,
-                               cache_position=pos[0], use_cache=True,
-                               **{kv._cache_kw: kv.cache})
-        finally:
-            plan.clear()
-            STABLE_STEP.reset(token)
-        return out.logits[0], kv.features  # [rows, V], [1, rows, H]
+        """The step as the graph records it: every input derived from ``_ids``/``_start``
+        (the eager stable step's call, keys at device-side slots)."""
+        logits = self.kv.stable_call(self._ids, self._start, self.attend, device_slots=True)
+        return logits, self.kv.features  # [rows, V], [1, rows, H]
 
     def run(self, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The step's logits ``[rows, V]`` and features ``[1, rows, H]`` (the graph's own

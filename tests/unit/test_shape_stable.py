@@ -20,23 +20,15 @@ from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.stable import StablePolicy, attend_length, chunks, invariant_rows
 from agentspec.targets.step_graph import StepGraph
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
+from tests.conftest import TINY_VOCAB, tiny_llama
 
-VOCAB = 96
+VOCAB = TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
 def flat_bf16() -> torch.nn.Module:
     """A 4-layer bf16 Llama whose logits are nearly flat (many near-ties), seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.02, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )
-    return LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    return tiny_llama(layers=4, max_positions=1024, init=0.02).to(torch.bfloat16)
 
 
 class NoisyOracle:

@@ -329,7 +329,7 @@ def build_method(name: str, ctx: MethodContext) -> Method:
             raise BenchmarkError(f"method {name!r} cannot decode under a grammar "
                                  "(--constrained runs engine methods only)")
         return method
-    if name == "greedy" and getattr(ctx.target, "shape_stable", False):
+    if name == "greedy" and ctx.target.shape_stable:
         # Shape-stable forwards (bf16, CUDA) define plain decoding by the engine's own
         # shapes; transformers' generate runs other kernels (a bf16 argmax differs), so the
         # reference is the engine without drafts.
