@@ -3,14 +3,17 @@
 on CUDA, a captured graph).
 
     python scripts/step_profile.py --device cuda --out results/step_profile.json
-    python scripts/step_profile.py --device cpu --dtypes bfloat16 --tokens 48
+    python scripts/step_profile.py --device cpu --dtypes float32,bfloat16,int8 --modes stable \
+        --model qwen2.5-coder-0.5b-instruct --tokens 48
 
 For each dtype and mode it loads the embedded model once, prefills a ~600-token agent
 prompt (a DELEGATE-52 document and an edit request) and decodes ``--tokens`` tokens with
 plain greedy decoding and with the session suffix cache (the document's own text drafts
-the copy). Per step it reports wall time, the engine's drafter time, and, on CUDA, the
-device's kernel time from the profiler (host = wall - device: Python, launches, copies);
-then the top operators of one profiled plain run. Writes JSON and prints a table.
+the copy). Per decode step (the prompt's prefill subtracted) it reports wall time, the
+engine's drafter time, and the kernel time from the profiler: on CUDA the device's, on the
+CPU the weight products' and attention's (host = wall - kernels: Python, small operators,
+copies, and the profiler's own cost); then the top operators of one profiled plain run.
+Writes JSON and prints a table.
 """
 
 from __future__ import annotations
@@ -43,43 +46,72 @@ def _prompt(target: HFTarget) -> list[int]:
     return ids[-700:]
 
 
-def _decode(target: HFTarget, prompt: list[int], tokens: int, suffix: bool,
-            device_time: bool) -> dict[str, Any]:
-    drafter = SuffixDrafter() if suffix else None
-    engine = SpeculativeDecoder(target, drafter, config=EngineConfig(max_draft=16))
-    engine.generate(prompt, max_tokens=8)  # warm: first forwards, graph capture
-    sync = torch.cuda.synchronize if target.device == "cuda" else (lambda: None)
+#: The CPU operators that do a forward's arithmetic (weight products, attention): the CPU's
+#: "device" time. The rest of a step's wall time is the host's (Python, small ops, copies).
+CPU_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+               "aten::_weight_int8pack_mm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _kernel_us(prof: Any, cuda: bool) -> float:
+    events = prof.key_averages()
+    if cuda:
+        return float(sum(getattr(e, "self_device_time_total", 0.0) or 0.0 for e in events))
+    return float(sum(e.self_cpu_time_total for e in events if e.key in CPU_KERNELS))
+
+
+def _timed(engine: SpeculativeDecoder, prompt: list[int], tokens: int, profile: bool,
+           cuda: bool) -> tuple[Any, float, float, Any]:
+    """One generation: (result, wall s, kernel µs or nan, profiler or None)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     prof = None
-    if device_time:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
+    if profile:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=acts)
         prof.__enter__()
     t0 = time.perf_counter()
     gen = engine.generate(prompt, max_tokens=tokens)
     sync()
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {}
+    kernel = float("nan")
     if prof is not None:
         prof.__exit__(None, None, None)
-        events = prof.key_averages()
-        dev_us = sum(getattr(e, "self_device_time_total", 0.0) or 0.0 for e in events)
-        row["device_ms_per_step"] = dev_us / 1000 / max(1, gen.stats.forwards)
-        row["top_ops"] = prof.key_averages().table(
-            sort_by="cpu_time_total", row_limit=12, max_name_column_width=40)
+        kernel = _kernel_us(prof, cuda)
+    return gen, wall, kernel, prof
+
+
+def _decode(target: HFTarget, prompt: list[int], tokens: int, suffix: bool,
+            profile: bool) -> dict[str, Any]:
+    """Decode ``tokens`` tokens; per decode step: wall, kernel ("device") and host time.
+
+    A second generation of one token (the prefill and the first step) is subtracted from
+    the first, so the prompt's prefill is not spread over the decode steps."""
+    drafter = SuffixDrafter() if suffix else None
+    engine = SpeculativeDecoder(target, drafter, config=EngineConfig(max_draft=16))
+    cuda = target.device == "cuda"
+    engine.generate(prompt, max_tokens=8)  # warm: first forwards, graph capture
+    gen, wall, kernel, prof = _timed(engine, prompt, tokens, profile, cuda)
+    head, head_wall, head_kernel, _ = _timed(engine, prompt, 1, profile, cuda)
     st = gen.stats
-    steps = max(1, st.forwards)
-    decode_s = wall - st.prefill_s
-    row.update({
+    steps = max(1, st.forwards - head.stats.forwards)
+    decode_s = max(wall - head_wall, 1e-9)
+    row: dict[str, Any] = {
         "tokens": len(gen.tokens), "forwards": st.forwards,
-        "tok_s": len(gen.tokens) / max(decode_s, 1e-9),
+        "tok_s": (len(gen.tokens) - 1) / decode_s,
         "wall_ms_per_step": decode_s / steps * 1000,
-        "drafter_ms_per_step": st.draft_s / steps * 1000,
-        "accepted_per_step": len(gen.tokens) / steps,
+        "drafter_ms_per_step": (st.draft_s - head.stats.draft_s) / steps * 1000,
+        "accepted_per_step": (len(gen.tokens) - 1) / steps,
         "output": gen.tokens,
-    })
-    if "device_ms_per_step" in row:
+    }
+    if prof is not None:
+        # Profiled runs carry the profiler's own per-operator cost in their host time.
+        row["device_ms_per_step"] = (kernel - head_kernel) / 1000 / steps
         row["host_ms_per_step"] = row["wall_ms_per_step"] - row["device_ms_per_step"]
+        row["top_ops"] = prof.key_averages().table(
+            sort_by="self_cpu_time_total" if not cuda else "cpu_time_total", row_limit=12,
+            max_name_column_width=40)
     return row
 
 
@@ -87,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated: float32, bfloat16, int8 (CPU)")
     ap.add_argument("--modes", default="eager,stable", help="eager, stable (comma-separated)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--no-profile", action="store_true",
+                    help="time steps without the profiler (no device/host split)")
     ap.add_argument("--out", default="results/step_profile.json")
     args = ap.parse_args(argv)
     results: list[dict[str, Any]] = []
@@ -104,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = _prompt(target)
                 for method in ("plain", "suffix"):
                     row = _decode(target, prompt, args.tokens, method == "suffix",
-                                  device_time=args.device == "cuda")
+                                  profile=not args.no_profile)
                     graph = target.kv.graph
                     row.update(dtype=dtype, mode=mode, method=method,
                                graph=None if graph is None else

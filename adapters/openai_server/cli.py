@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
-from agentspec.cli.args import add_device_arg, non_negative_int, positive_int
+from agentspec.cli.args import add_device_arg, add_dtype_arg, non_negative_int, positive_int
 from agentspec.errors import AgentSpecError
 
 # agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB, the floor of the default
@@ -57,9 +57,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--tool-format", default=None,
                    choices=["hermes", "llama3_json", "mistral", "mistral_v11", "fallback"],
                    help="the model's tool-call format (default: chosen from its chat template)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="float32 or bfloat16: both exact against plain decoding in the "
-                        "same precision (bf16 through shape-stable forwards, docs/gpu.md)")
+    add_dtype_arg(p)
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the model's)")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",

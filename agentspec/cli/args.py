@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEVICES", "add_device_arg", "csv_list", "non_negative_int", "positive_int"]
+__all__ = ["DEVICES", "DTYPES", "add_device_arg", "add_dtype_arg", "csv_list",
+           "non_negative_int", "positive_int"]
 
 #: What ``--device`` takes (``TargetConfig.device``).
 DEVICES = ("auto", "cpu", "cuda")
+#: What ``--dtype`` takes (``TargetConfig.dtype``; not imported from it: ``--help`` should
+#: not load torch).
+DTYPES = ("float32", "bfloat16", "int8", "auto")
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +22,17 @@ def add_device_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="where the model runs: auto (CUDA when available, else the "
                              "CPU; default), cpu or cuda (an error without CUDA)")
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, default: str = "float32") -> None:
+    """Add ``--dtype float32|bfloat16|int8|auto`` to a command that loads a model (see
+    :attr:`~agentspec.targets.target_config.TargetConfig.dtype`)."""
+    parser.add_argument("--dtype", choices=DTYPES, default=default,
+                        help="the model's precision: float32 (the reference), bfloat16, "
+                             "int8 (int8 weight-only layers over bf16 activations, CPU only, "
+                             "fewest bytes per step) or auto (int8 on an AVX-512 CPU, else "
+                             "float32); each exact against plain decoding in the same "
+                             f"precision (docs/cpu_step.md; default {default})")
 
 
 def csv_list(value: str) -> list[str]:

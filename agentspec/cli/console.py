@@ -14,11 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from agentspec.cli.args import add_device_arg, csv_list, positive_int
+from agentspec.cli.args import add_device_arg, add_dtype_arg, csv_list, positive_int
 from agentspec.errors import AgentSpecError
 
 
-def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) -> None:
+def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str,
+                    dtype: str = "float32") -> None:
     p.add_argument("--workloads", type=csv_list, default=csv_list(workloads),
                    help=f"comma-separated workloads (default: {workloads})")
     p.add_argument("--methods", type=csv_list, default=csv_list(methods),
@@ -33,9 +34,7 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) ->
                    help="model: a shipped model's name (default smollm2-135m-instruct; see "
                         "`agentspec models`) or a local Hugging Face folder")
     add_device_arg(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="float32 or bfloat16: both exact against plain decoding in the "
-                        "same precision (bf16 through shape-stable forwards, docs/gpu.md)")
+    add_dtype_arg(p, dtype)
     p.add_argument("--max-draft", type=positive_int, default=16,
                    help="longest draft verified in one forward (default 16)")
     p.add_argument("--data", default=None,
@@ -81,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "drafters on the embedded model, checks the outputs are identical and "
                     "prints the speed-up table.",
     )
-    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,suffix,oracle")
+    # The quick start gets the fastest exact setting this CPU has (int8 where it is fast).
+    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,suffix,oracle", dtype="auto")
 
     bench = sub.add_parser(
         "bench", help="benchmark decoding methods on agent workloads",
@@ -154,7 +154,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         relay_prompt=args.relay_prompt, constrained=args.constrained,
     )
     report = run_bench(cfg)
-    print(f"model: {report['model']}  machine: {report['machine']['processor']}, "
+    print(f"model: {report['model']} ({report['config']['dtype']})  "
+          f"machine: {report['machine']['processor']}, "
           f"{report['machine']['cpus']} cpus, torch threads {report['machine']['torch_threads']}")
     print(results_table(report["results"]))
     if args.out:

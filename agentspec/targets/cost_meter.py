@@ -134,7 +134,9 @@ class CostMeter:
             yield
             return
         live, device = self.live_cost, self.kv.device
-        threads = live.threads_for(rows, context) if device == "cpu" else live.threads
+        pinned = self.kv.stable is not None and self.kv.stable.pin_threads
+        threads = (live.threads_for(rows, context) if device == "cpu" and not pinned
+                   else live.threads)
         before = torch.get_num_threads()
         if threads != before:
             torch.set_num_threads(threads)

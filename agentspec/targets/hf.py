@@ -23,7 +23,7 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, linear
+from agentspec.targets import attention, costs, int8, linear
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter
 from agentspec.targets.kv import ModelKV
@@ -104,7 +104,10 @@ class HFTarget:
         """Load the model named by ``config`` (the embedded model by default)."""
         config = config or TargetConfig()
         device = config.resolved_device()
-        model, tok, files = load_model_and_tokenizer(config.model, config.dtype, device)
+        model, tok, files = load_model_and_tokenizer(config.model, config.load_dtype, device)
+        if config.dtype == "int8":
+            int8.quantize_linears(model)  # from the fp32 weights; raises off the CPU
+            model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
         target = cls(model, tok, files.name, config.dtype, device, store,

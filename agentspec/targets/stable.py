@@ -44,14 +44,16 @@ are computed from it on the device), so a step is one graph replay and two tiny 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from agentspec.errors import ConfigError
+from agentspec.targets.int8 import Int8Linear
 
 #: Key-length alignment on the CPU (see the module docstring).
 CPU_ALIGN = 512
@@ -72,12 +74,16 @@ class StablePolicy:
         align: Key positions attended are the forward's end rounded up to this; ``None``:
             the static cache's whole length (CUDA).
         graphs: Capture the one-shape step as a CUDA graph (CUDA only).
+        pin_threads: Run every decode forward with the process's thread count (the
+            products' bits depend on it: :func:`thread_invariant`); else the live cost
+            model may pick one thread on a busy machine.
     """
 
     min_rows: int = 1
     max_rows: int = 0
     align: int | None = CPU_ALIGN
     graphs: bool = False
+    pin_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.min_rows < 1:
@@ -134,6 +140,38 @@ def step_inputs(start: torch.Tensor, rows: int, attend: int,
     return pos[None], mask[None, None]
 
 
+def _products(model: Any) -> Iterator[tuple[int, Callable[[torch.Tensor], torch.Tensor],
+                                             torch.dtype]]:
+    """Each distinct CPU product of ``model``'s linear layers once: (input width, the
+    product ``x -> x @ Wᵀ`` its forward runs, the activations' dtype)."""
+    seen: set[tuple[int, int, torch.dtype]] = set()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            w = mod.weight
+            product = partial(torch.nn.functional.linear, weight=w)
+        elif isinstance(mod, Int8Linear):  # its own kernel, probed like any other
+            w = mod.qweight
+            product = partial(torch._weight_int8pack_mm, mat2=w, scales=mod.scales)
+        else:
+            continue
+        key = (int(w.shape[0]), int(w.shape[1]), w.dtype)
+        if key in seen or w.device.type != "cpu":
+            continue
+        seen.add(key)
+        yield key[1], product, torch.bfloat16 if w.dtype == torch.int8 else w.dtype
+
+
+def _probe_input(width: int, dtype: torch.dtype, trial: int,
+                 gen: torch.Generator) -> torch.Tensor:
+    """``[1, width]``: inputs of varied scale; odd trials as an MLP's (heavy-tailed, many
+    values near zero)."""
+    scale = 10.0 * float(torch.rand(1, generator=gen)) + 1e-3
+    x = torch.randn(1, width, generator=gen) * scale
+    if trial % 2:
+        x = F.silu(x) * torch.randn(1, width, generator=gen)
+    return x.to(dtype)
+
+
 def invariant_rows(model: Any, trials: int = 48, seed: int = 0) -> int | None:
     """The fewest rows from which every linear layer of ``model`` gives a row the same bits
     whatever the row count and the row's place among the rows: 1, 2, or ``None`` (no such
@@ -146,33 +184,46 @@ def invariant_rows(model: Any, trials: int = 48, seed: int = 0) -> int | None:
     SmolLM2's MLP, 4 rows in 50).
     """
     gen = torch.Generator().manual_seed(seed)
-    seen: set[tuple[int, int, torch.dtype]] = set()
     one_ok = True
     with torch.inference_mode():
-        for mod in model.modules():
-            if not isinstance(mod, torch.nn.Linear):
-                continue
-            w = mod.weight
-            key = (int(w.shape[0]), int(w.shape[1]), w.dtype)
-            if key in seen or w.device.type != "cpu":
-                continue
-            seen.add(key)
+        for width, product, dtype in _products(model):
             for trial in range(trials):
-                scale = 10.0 * float(torch.rand(1, generator=gen)) + 1e-3
-                x = torch.randn(1, key[1], generator=gen) * scale
-                if trial % 2:  # an MLP's input: heavy-tailed, many values near zero
-                    x = F.silu(x) * torch.randn(1, key[1], generator=gen)
-                x = x.to(w.dtype)
+                x = _probe_input(width, dtype, trial, gen)
                 outs = []
                 for m in (1, 2, 8, 33):
-                    xs = torch.randn(m, key[1], generator=gen).to(w.dtype)
+                    xs = torch.randn(m, width, generator=gen).to(dtype)
                     at = m - 1 if trial % 3 else trial % m
                     xs[at] = x[0]
-                    outs.append(torch.nn.functional.linear(xs, w)[at])
+                    outs.append(product(xs)[at])
                 if not all(torch.equal(outs[1], o) for o in outs[2:]):
                     return None
                 one_ok = one_ok and torch.equal(outs[0], outs[1])
     return 1 if one_ok else 2
+
+
+def thread_invariant(model: Any, trials: int = 8, seed: int = 0) -> bool:
+    """Whether every linear layer of ``model`` gives the same bits with one thread as with
+    the process's thread count, over 1-33 rows. The live cost model runs a forward with
+    one thread when the machine is busy (:mod:`.live_cost`); where this is ``False`` a
+    shape-stable target keeps the thread count fixed (:attr:`StablePolicy.pin_threads`)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return True
+    gen = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for width, product, dtype in _products(model):
+            for trial in range(trials):
+                xs = torch.cat([_probe_input(width, dtype, trial, gen)
+                                for _ in range((1, 2, 8, 33)[trial % 4])])  # [m, width]
+                many = product(xs)
+                torch.set_num_threads(1)
+                try:
+                    one = product(xs)
+                finally:
+                    torch.set_num_threads(threads)
+                if not torch.equal(one, many):
+                    return False
+    return True
 
 
 def full_attention(model: Any) -> bool:

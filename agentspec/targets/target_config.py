@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError, DeviceUnavailableError
-from agentspec.targets import stable
+from agentspec.targets import int8, stable
 from agentspec.targets.stable import StablePolicy
 
-__all__ = ["TargetConfig"]
+__all__ = ["DTYPES", "TargetConfig"]
+
+#: The precisions a target loads in (see :attr:`TargetConfig.dtype`).
+DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,13 @@ class TargetConfig:
 
     Attributes:
         model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
-        dtype: ``"float32"`` or ``"bfloat16"``; both exact against plain decoding in the
-            same precision (bf16 through shape-stable forwards, see ``shape_stable``).
+        dtype: ``"float32"`` (the reference), ``"bfloat16"`` or ``"int8"`` (int8
+            weight-only linear layers over bf16 activations, quantized at load from the fp32
+            weights; CPU only, see :mod:`~agentspec.targets.int8`); each exact against plain
+            decoding in the same precision (bf16 and int8 through shape-stable forwards, see
+            ``shape_stable``). ``"auto"`` becomes ``"int8"`` on a CPU where it is fast
+            (:func:`~agentspec.targets.int8.fast_here`), else ``"float32"``; the
+            config's ``dtype`` holds the choice once built.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). The target's
             device owns every tensor that meets its model: drafters, heads and the prefix
             store follow it.
@@ -48,7 +56,7 @@ class TargetConfig:
             shapes, so a row's logits never depend on how many rows share its forward
             (:mod:`agentspec.targets.stable`): what makes bf16 speculation token-identical
             to plain bf16 decoding, and on CUDA what lets a step run as a captured graph.
-            ``None`` (auto): on for bfloat16 and on CUDA, off for fp32 on the CPU (exact
+            ``None`` (auto): on for bfloat16, int8 and on CUDA, off for fp32 on the CPU (exact
             without it; tree drafts verify as chains while it is on).
         cuda_graphs: Capture the shape-stable CUDA step as a graph (falls back to eager
             steps, with a warning, if capture fails).
@@ -67,10 +75,11 @@ class TargetConfig:
         """The shape-stable policy for ``device`` (``None``: forwards keep their shapes).
         On the CPU ``model``'s products are checked for row-count invariance
         (:func:`~agentspec.targets.stable.invariant_rows`): a plain step is padded to the
-        fewest rows they are invariant from (fixed-size chunks where they are not)."""
+        fewest rows they are invariant from (fixed-size chunks where they are not), and
+        their thread count is pinned where their bits depend on it."""
         on = self.shape_stable
         if on is None:
-            on = self.dtype == "bfloat16" or device.startswith("cuda")
+            on = self.dtype in ("bfloat16", "int8") or device.startswith("cuda")
         if not on or (model is not None and not stable.full_attention(model)):
             return None
         policy = StablePolicy.for_device(device, graphs=self.cuda_graphs)
@@ -79,23 +88,41 @@ class TargetConfig:
             policy = (dataclasses.replace(policy, min_rows=rows) if rows is not None else
                       dataclasses.replace(policy, min_rows=stable.CPU_MIN_ROWS,
                                           max_rows=stable.CPU_MIN_ROWS))
+            if not stable.thread_invariant(model):
+                policy = dataclasses.replace(policy, pin_threads=True)
         return policy
 
     def __post_init__(self) -> None:
         for name in ("prefix_cache_bytes", "prefix_spill_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype == "auto":  # resolved once, so every key and label names the choice
+            cpu = self.device == "cpu" or (self.device == "auto"
+                                           and not torch.cuda.is_available())
+            object.__setattr__(self, "dtype", "int8" if cpu and int8.fast_here() else "float32")
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"dtype must be 'float32', 'bfloat16', 'int8' or 'auto', got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def load_dtype(self) -> str:
+        """The precision the model's files are loaded in (int8 is quantized from fp32)."""
+        return "float32" if self.dtype == "int8" else self.dtype
 
     def resolved_device(self) -> str:
         """The device actually used.
 
         Raises:
             DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
+            ConfigError: ``dtype="int8"`` with ``device="cuda"`` (a CPU kernel).
         """
+        if self.dtype == "int8":  # the int8 weight-only kernel is the CPU's
+            if self.device == "cuda":
+                raise ConfigError("dtype='int8' (int8 weight-only layers) runs on the CPU "
+                                  "only; on a GPU use dtype='bfloat16'")
+            return "cpu"
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():

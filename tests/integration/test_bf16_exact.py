@@ -1,4 +1,5 @@
-"""bf16 on the embedded model: speculation is token-identical to plain bf16 decoding.
+"""bf16 and int8 on the embedded model: speculation is token-identical to plain decoding in
+the same precision.
 
 The rounding differences that break it are rare per product (a one-row product rounds one
 bf16 ulp apart from the same row in a larger product in a few percent of rows on SmolLM2's
@@ -20,9 +21,10 @@ from agentspec.types import SessionRef
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def bf16_target() -> HFTarget:
-    return HFTarget.load(TargetConfig(dtype="bfloat16", measure_costs=False,
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def bf16_target(request: pytest.FixtureRequest) -> HFTarget:
+    """The embedded model in bf16, then with int8 weight-only layers (bf16 activations)."""
+    return HFTarget.load(TargetConfig(dtype=request.param, measure_costs=False,
                                       prefix_cache_bytes=0))
 
 

@@ -73,8 +73,8 @@ def test_write_report_makes_markdown_and_plots(tmp_path: Path) -> None:
 def test_missing_fields_render_as_dash(tmp_path: Path) -> None:
     table = results_table(_results()["results"])
     editeval_row = next(line for line in table.splitlines() if "editeval" in line)
-    assert editeval_row.count(MISSING) == 8 and "no" in editeval_row
-    assert results_table([{"workload": "w"}]).splitlines()[-1].count(MISSING) == 12
+    assert editeval_row.count(MISSING) == 10 and "no" in editeval_row
+    assert results_table([{"workload": "w"}]).splitlines()[-1].count(MISSING) == 14
     # An old results file: no turns, no histograms, no speed-ups at all.
     old = {"results": [{"workload": "chat", "method": "greedy", "tokens_per_s": 17.0}]}
     paths = write_report(_write(tmp_path, old), tmp_path)

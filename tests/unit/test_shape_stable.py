@@ -178,6 +178,28 @@ def test_invariant_rows_on_the_tiny_model(flat_bf16: torch.nn.Module) -> None:
     assert invariant_rows(flat_bf16) in (1, 2, None)
 
 
+def test_threads_are_pinned_where_the_bits_depend_on_them(
+        flat_bf16: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine makes the live cost model run a forward with one thread; where the
+    products' bits depend on the thread count a shape-stable target must not follow it."""
+    from agentspec.targets import stable
+
+    assert isinstance(stable.thread_invariant(flat_bf16), bool)
+    monkeypatch.setattr(stable, "thread_invariant", lambda model: False)
+    policy = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    assert policy is not None and policy.pin_threads
+    target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
+    live = target.meter.live_cost
+    monkeypatch.setattr(live, "threads_for", lambda rows, context: 1)  # "the machine is busy"
+    seen = []
+    with target.meter.timed(5, 100):
+        seen.append(torch.get_num_threads())
+    assert seen == [live.threads]
+    monkeypatch.setattr(stable, "thread_invariant", lambda model: True)
+    free = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    assert free is not None and not free.pin_threads
+
+
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
 def test_stable_attention_computes_sdpa(kind: str) -> None:
     """The row-invariant products compute what SDPA computes, with transformers' boolean

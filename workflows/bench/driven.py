@@ -34,7 +34,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from agentspec.cli.args import add_device_arg
+from agentspec.cli.args import add_device_arg, add_dtype_arg
 from agentspec.errors import BenchmarkError
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
@@ -374,9 +374,7 @@ def add_drive_parser(sub: Any) -> None:
                    help="prefix-reuse variants of every method: both (default), on or off "
                         "(one side only halves a long run)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="model precision; both are exact against plain decoding in the same "
-                        "precision (bf16 through shape-stable forwards)")
+    add_dtype_arg(p)
     add_device_arg(p)
 
 

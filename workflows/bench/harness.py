@@ -47,7 +47,7 @@ class BenchConfig:
         turns: Turns per session.
         out: Path of the JSON results (``None``: do not write).
         model: Model name or folder.
-        dtype: ``float32`` (exact) or ``bfloat16``.
+        dtype: ``float32`` (the reference), ``bfloat16`` or ``int8`` (CPU only).
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         max_draft: Longest draft per verification.
         data_dir: Data folder for the workloads that read files.
@@ -136,6 +136,11 @@ def _aggregate(
         "speedup_vs_greedy": None,
         "mean_accepted_len": round(stats.mean_accepted_len, 3) if stats.forwards else None,
         "forwards_per_1k": round(stats.forwards_per_1k, 1) if stats.forwards else None,
+        # The drafter's host time beside the target's step (verify_s per forward).
+        "drafter_ms_per_step": (round(1000 * stats.draft_s / stats.forwards, 2)
+                                if stats.forwards else None),
+        "target_ms_per_step": (round(1000 * stats.verify_s / stats.forwards, 2)
+                               if stats.forwards else None),
         "identical_to_greedy": all(t["identical_to_greedy"] for t in turns),
         "identical_turns": sum(bool(t["identical_to_greedy"]) for t in turns),
         "diverged_token_share": round(diverged / tokens, 4) if tokens else 0.0,
@@ -240,7 +245,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
         "model": target.name,
         "config": {
             "workloads": cfg.workloads, "methods": methods, "limit": cfg.limit,
-            "turns": cfg.turns, "dtype": cfg.dtype, "max_draft": cfg.max_draft,
+            "turns": cfg.turns, "dtype": getattr(target, "dtype", cfg.dtype),
+            "max_draft": cfg.max_draft,
             "relay_prompt": cfg.relay_prompt, "constrained": cfg.constrained,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },

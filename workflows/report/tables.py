@@ -57,6 +57,8 @@ COLUMNS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("speed-up vs greedy", "speedup_vs_greedy", _fmt(".2f", "×")),
     ("mean accepted len", "mean_accepted_len", _fmt(".2f")),
     ("forwards/1k", "forwards_per_1k", _fmt(".0f")),
+    ("target ms/step", "target_ms_per_step", _fmt(".1f")),
+    ("drafter ms/step", "drafter_ms_per_step", _fmt(".2f")),
     ("identical to greedy", "identical_to_greedy", _yes_no),
     ("loop share", "loop_share", _fmt(".1%")),
     ("speed-up loop-free", "speedup_loop_free", _fmt(".2f", "×")),

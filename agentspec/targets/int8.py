@@ -1,0 +1,141 @@
+"""Int8 weight-only linear layers for the CPU: a quarter of fp32's bytes per step.
+
+A decode step on a CPU is bound by reading the weights: every plain step and every short
+verify streams each weight matrix once. The shipped models are 4-6 bit GGUF files
+dequantised to fp32, so an fp32 step reads 4 bytes per weight and a bf16 step 2; an int8
+step reads 1 (plus one scale per output row). PyTorch's CPU kernel for this
+(``torch._weight_int8pack_mm``) multiplies bf16 activations by int8 weights with an fp32
+accumulator and scales each output column afterwards:
+
+    y[r, j] = bf16( (Σ_k x[r, k] · q[j, k]) · s[j] )
+
+The weights are quantized once, symmetrically per output row, from the fp32 weights the
+model was loaded with: ``s[j] = max_k |w[j, k]| / 127`` and ``q = round(w / s)`` (an error of
+at most ``s/2`` per weight, well under the step of the 4-6 bit grid the GGUF file already
+put them on, but not zero: an int8 model's answers are its own, not fp32's or bf16's).
+
+Every forward of an int8 target uses the same weights and the same kernel, and the target
+runs shape-stable forwards (:mod:`.stable`, probed on these layers like any other): so
+speculation is token-identical to plain decoding of the same int8 model, as for bf16. The
+kernel's cost grows with the row count faster than bf16's GEMM does (on a 2-core AVX-512
+machine an int8 product costs ~0.5x bf16's over 1-4 rows, ~1x over 8 and ~2x over 16), so
+the verify cost curves, measured per dtype, let the gate price long drafts accordingly.
+Prefill chunks (:data:`PREFILL_ROWS` rows or more, outside a decode step) multiply the
+dequantized weights in bf16 instead, which keeps prefill at bf16's speed; the prompt's KV
+then differs from what one-row steps would write only in the last bits, as it does in bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.targets.attention import STABLE_STEP
+
+__all__ = ["PREFILL_ROWS", "Int8Linear", "fast_here", "quantize_linears", "supported"]
+
+#: From this many rows on, a forward outside a decode step (a prefill chunk) multiplies the
+#: dequantized bf16 weights instead: the int8 kernel's cost grows with the rows much faster
+#: than bf16's GEMM (on a 2-core AVX-512 machine, Qwen's MLP shape over 512 rows: 29 ms
+#: against 13.5 with the dequantization included; over 32 rows they tie).
+PREFILL_ROWS = 64
+
+
+class Int8Linear(torch.nn.Module):
+    """A drop-in ``nn.Linear`` with int8 weights and one bf16 scale per output row.
+
+    Attributes:
+        in_features: Input width.
+        out_features: Output width.
+    """
+
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] bf16
+    bias: torch.Tensor | None  # [out] bf16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()  # [out, in]; quantized from fp32, whatever it was stored in
+        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q.contiguous())  # [out, in] int8
+        self.register_buffer("scales", scale.to(torch.bfloat16))  # [out]
+        self.register_buffer("bias", None if bias is None else
+                             bias.detach().to(torch.bfloat16))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weights (bf16, ``[out, in]``): for code that reads a linear's
+        ``weight`` (shapes, fingerprints); the forward never uses them."""
+        return (self.qweight.float() * self.scales.float()[:, None]).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ Wᵀ + b`` for ``x`` ``[..., in]`` (bf16): ``[..., out]``."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [rows, in]
+        if rows.shape[0] >= PREFILL_ROWS and not STABLE_STEP.get():
+            # A prefill chunk: bf16's GEMM over the dequantized weights (the same weights,
+            # other rounding) runs many rows ~2x faster than the int8 kernel. Never inside
+            # a decode forward, whose rows must all take one kernel.
+            y = torch.nn.functional.linear(rows, self.weight)  # [rows, out]
+        else:
+            y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)  # [rows, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weights=int8")
+
+
+def supported() -> bool:
+    """Whether this torch build has the CPU int8 weight-only kernel."""
+    return hasattr(torch, "_weight_int8pack_mm")
+
+
+def fast_here() -> bool:
+    """Whether ``dtype="auto"`` picks int8 on this CPU: the kernel exists and the CPU has
+    AVX-512 (where int8 was measured faster than fp32 and bf16 at every decode row count
+    up to 8; on other CPUs ``auto`` keeps fp32, the reference)."""
+    if not supported():
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def quantize_linears(model: Any) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (on the CPU) by an :class:`Int8Linear`;
+    return how many were replaced. Call it on the fp32 model, before casting the rest to
+    bf16 (the scales come from the fp32 weights).
+
+    Raises:
+        ConfigError: the model is not on the CPU or torch lacks the kernel.
+    """
+    if not supported():
+        raise ConfigError(f"dtype 'int8' needs torch._weight_int8pack_mm, which torch "
+                          f"{torch.__version__} lacks; use dtype 'bfloat16'")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            if child.weight.device.type != "cpu":
+                raise ConfigError(f"dtype 'int8' runs on the CPU only; layer {name!r} is on "
+                                  f"{child.weight.device.type} (use bfloat16 on a GPU)")
+            setattr(parent, name, Int8Linear(child.weight, child.bias))
+            replaced += 1
+    # A tied output layer was a view of the embedding: the embedding keeps its own tensor
+    # and the config must not tie them again on a later call.
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+    return replaced

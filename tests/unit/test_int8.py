@@ -1,0 +1,122 @@
+"""Int8 weight-only layers: what they compute, where they run, and that speculation over
+them is token-identical to plain decoding of the same int8 model (shape-stable forwards,
+probed on the int8 kernel like any other product)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentspec.errors import ConfigError
+from agentspec.targets import int8
+from agentspec.targets.attention import STABLE_STEP
+from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.int8 import Int8Linear, quantize_linears
+from agentspec.targets.stable import invariant_rows
+from tests.conftest import tiny_llama
+from tests.unit.test_shape_stable import _blocks_vs_one_by_one, _mismatches
+
+pytestmark = pytest.mark.skipif(not int8.supported(), reason="torch lacks the int8 kernel")
+
+
+def _int8_model(init: float = 0.02) -> torch.nn.Module:
+    model = tiny_llama(layers=4, max_positions=1024, init=init)
+    quantize_linears(model)
+    return model.to(torch.bfloat16)
+
+
+def test_int8_linear_is_the_rounded_product() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(5, 3, 64)
+    want = lin(x)  # [5, 3, 48] fp32
+    got = q(x.bfloat16()).float()
+    assert got.shape == want.shape and q.qweight.dtype == torch.int8
+    # Per weight at most half a step (max|w_j| / 254) off; bf16 activations and output
+    # add their own rounding: the sum stays within a few percent of the output's scale.
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert q.weight.shape == lin.weight.shape  # the dequantized view, for shape readers
+    err = (q.weight.float() - lin.weight).abs().max(dim=1).values
+    assert torch.all(err <= lin.weight.abs().max(dim=1).values / 254 + 1e-2)
+
+
+def test_quantize_replaces_every_linear_and_unties() -> None:
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    n = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert quantize_linears(model) == n
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert model.config.tie_word_embeddings is False
+
+
+def test_quantize_refuses_a_model_off_the_cpu() -> None:
+    model = tiny_llama().to("meta")
+    with pytest.raises(ConfigError, match="CPU only"):
+        quantize_linears(model)
+
+
+def test_config_rules() -> None:
+    assert TargetConfig(dtype="int8").resolved_device() == "cpu"
+    assert TargetConfig(dtype="int8").load_dtype == "float32"
+    assert TargetConfig(dtype="bfloat16").load_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="CPU only"):
+        TargetConfig(dtype="int8", device="cuda").resolved_device()
+    with pytest.raises(ConfigError, match="'int4'"):
+        TargetConfig(dtype="int4")
+    assert TargetConfig(dtype="int8").stable_policy("cpu") is not None  # on by default
+
+
+def test_int8_kernel_is_probed_and_rows_are_stable() -> None:
+    model = _int8_model()
+    assert invariant_rows(model) is not None  # the probe reaches the int8 layers
+    target = HFTarget(model, None, "flat-int8", "int8", "cpu", None,
+                      TargetConfig(dtype="int8").stable_policy("cpu", model))
+    assert target.shape_stable
+    for k in (2, 5, 9, 20):
+        assert _blocks_vs_one_by_one(target, k), k
+
+
+def test_int8_speculation_identical_to_plain_int8() -> None:
+    model = _int8_model()
+    target = HFTarget(model, None, "flat-int8", "int8", "cpu", None,
+                      TargetConfig(dtype="int8").stable_policy("cpu", model))
+    assert _mismatches(target) == 0
+
+
+def test_prefill_rows_take_the_dequantized_weights_and_decode_rows_never_do() -> None:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    q = Int8Linear(lin.weight, None)
+    x = torch.randn(int8.PREFILL_ROWS, 64).bfloat16()  # [64, 64]
+    kernel = torch._weight_int8pack_mm(x, q.qweight, q.scales)
+    dequant = torch.nn.functional.linear(x, q.weight)
+    assert torch.equal(q(x), dequant)  # a prefill chunk
+    token = STABLE_STEP.set(True)
+    try:
+        assert torch.equal(q(x), kernel)  # a decode forward of as many rows
+    finally:
+        STABLE_STEP.reset(token)
+    assert torch.equal(q(x[:5]), kernel[:5])  # few rows: the kernel, whatever the forward
+    assert (dequant.float() - kernel.float()).abs().max() <= 0.02 * kernel.float().abs().max()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_dtype_is_int8_where_it_is_fast(monkeypatch: pytest.MonkeyPatch,
+                                             fast: bool) -> None:
+    monkeypatch.setattr(int8, "fast_here", lambda: fast)
+    assert TargetConfig(dtype="auto", device="cpu").dtype == ("int8" if fast else "float32")
+    if torch.cuda.is_available():
+        assert TargetConfig(dtype="auto", device="cuda").dtype == "float32"
+
+
+def test_cli_takes_int8_and_auto() -> None:
+    from agentspec.cli.console import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).dtype == "auto"  # the quick start's fastest exact
+    assert parser.parse_args(["bench"]).dtype == "float32"  # the reference elsewhere
+    assert parser.parse_args(["bench", "--dtype", "int8"]).dtype == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--dtype", "int4"])
