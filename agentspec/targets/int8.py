@@ -118,7 +118,8 @@ def quantize_linears(model: Any) -> int:
     bf16 (the scales come from the fp32 weights).
 
     Raises:
-        ConfigError: the model is not on the CPU or torch lacks the kernel.
+        ConfigError: the model is not on the CPU, has no ``nn.Linear`` layer, or torch
+            lacks the kernel.
     """
     if not supported():
         raise ConfigError(f"dtype 'int8' needs torch._weight_int8pack_mm, which torch "
@@ -133,6 +134,9 @@ def quantize_linears(model: Any) -> int:
                                   f"{child.weight.device.type} (use bfloat16 on a GPU)")
             setattr(parent, name, Int8Linear(child.weight, child.bias))
             replaced += 1
+    if not replaced:  # else "int8" would silently be bf16
+        raise ConfigError(f"dtype 'int8' found no torch.nn.Linear layer to quantize in "
+                          f"{type(model).__name__}; use dtype 'bfloat16'")
     # A tied output layer was a view of the embedding: the embedding keeps its own tensor
     # and the config must not tie them again on a later call.
     config = getattr(model, "config", None)

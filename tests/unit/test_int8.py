@@ -57,6 +57,11 @@ def test_quantize_refuses_a_model_off_the_cpu() -> None:
         quantize_linears(model)
 
 
+def test_quantize_refuses_a_model_without_linear_layers() -> None:
+    with pytest.raises(ConfigError, match=r"no torch\.nn\.Linear"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Embedding(4, 4)))
+
+
 def test_config_rules() -> None:
     assert TargetConfig(dtype="int8").resolved_device() == "cpu"
     assert TargetConfig(dtype="int8").load_dtype == "float32"
