@@ -68,9 +68,13 @@ class Int8Linear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weights (bf16, ``[out, in]``): for code that reads a linear's
-        ``weight`` (shapes, fingerprints); the forward never uses them."""
-        return (self.qweight.float() * self.scales.float()[:, None]).to(torch.bfloat16)
+        """The dequantized weights (bf16, ``[out, in]``), made on each call: what a prefill
+        chunk multiplies, and what code that reads a linear's ``weight`` sees.
+
+        Multiplied in bf16: ``q`` is exact in bf16 and the exact product ``q · s`` has at
+        most 16 significant bits, so the one rounding to bf16 gives the bits an fp32
+        product would, without an fp32 copy of the matrix."""
+        return self.qweight.to(torch.bfloat16) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]`` (bf16): ``[..., out]``."""

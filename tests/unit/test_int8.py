@@ -125,3 +125,12 @@ def test_cli_takes_int8_and_auto() -> None:
     assert parser.parse_args(["bench", "--dtype", "int8"]).dtype == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--dtype", "int4"])
+
+
+def test_dequantized_weights_are_the_rounded_exact_products() -> None:
+    """The bf16 product the prefill path multiplies rounds each exact ``q · s`` once, as
+    an fp32 product rounded to bf16 does."""
+    torch.manual_seed(2)
+    q = Int8Linear(torch.randn(300, 200) * 0.05, None)
+    exact = (q.qweight.double() * q.scales.double()[:, None]).to(torch.bfloat16)
+    assert torch.equal(q.weight, exact)

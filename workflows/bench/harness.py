@@ -245,7 +245,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
         "model": target.name,
         "config": {
             "workloads": cfg.workloads, "methods": methods, "limit": cfg.limit,
-            "turns": cfg.turns, "dtype": getattr(target, "dtype", cfg.dtype),
+            "turns": cfg.turns, "dtype": target.dtype,
             "max_draft": cfg.max_draft,
             "relay_prompt": cfg.relay_prompt, "constrained": cfg.constrained,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
