@@ -49,7 +49,8 @@ def _prompt(target: HFTarget) -> list[int]:
 #: The CPU operators that do a forward's arithmetic (weight products, attention): the CPU's
 #: "device" time. The rest of a step's wall time is the host's (Python, small ops, copies).
 CPU_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-               "aten::_weight_int8pack_mm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+               "aten::_weight_int8pack_mm", "aten::_int_mm",
+               "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _kernel_us(prof: Any, cuda: bool) -> float:

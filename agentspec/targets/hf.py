@@ -33,6 +33,7 @@ from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.targets.reuse import PrefixReuse, prefix_store
 from agentspec.targets.scoring import Batch, Scorer
 from agentspec.targets.stable import StablePolicy
+from agentspec.targets.target_config import QUANTIZED
 from agentspec.targets.target_config import TargetConfig as TargetConfig  # re-exported
 
 #: Tokens per forward when a prompt's tail is fed after reused KV. One forward over the
@@ -105,8 +106,8 @@ class HFTarget:
         config = config or TargetConfig()
         device = config.resolved_device()
         model, tok, files = load_model_and_tokenizer(config.model, config.load_dtype, device)
-        if config.dtype == "int8":
-            int8.quantize_linears(model)  # from the fp32 weights; raises off the CPU
+        if config.dtype in QUANTIZED:  # from the fp32 weights; raises off the CPU
+            int8.quantize_linears(model, activations=config.dtype == "w8a8")
             model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)

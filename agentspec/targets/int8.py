@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError
+from agentspec.targets import w8a8
 from agentspec.targets.attention import STABLE_STEP
 
-__all__ = ["PREFILL_ROWS", "Int8Linear", "fast_here", "quantize_linears", "supported"]
+__all__ = ["PREFILL_ROWS", "SIBLINGS", "Int8Linear", "fast_here", "quantize_linears",
+           "supported"]
 
 #: From this many rows on, a forward outside a decode step (a prefill chunk) multiplies the
 #: dequantized bf16 weights instead: the int8 kernel's cost grows with the rows much faster
@@ -76,6 +78,10 @@ class Int8Linear(torch.nn.Module):
         product would, without an fp32 copy of the matrix."""
         return self.qweight.to(torch.bfloat16) * self.scales[:, None]
 
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The int8 kernel: ``rows @ Wᵀ`` for ``rows`` ``[m, in]`` (bf16), ``[m, out]``."""
+        return torch._weight_int8pack_mm(rows, self.qweight, self.scales)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]`` (bf16): ``[..., out]``."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [rows, in]
@@ -85,7 +91,7 @@ class Int8Linear(torch.nn.Module):
             # a decode forward, whose rows must all take one kernel.
             y = torch.nn.functional.linear(rows, self.weight)  # [rows, out]
         else:
-            y = torch._weight_int8pack_mm(rows, self.qweight, self.scales)  # [rows, out]
+            y = self.product(rows)  # [rows, out]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -116,30 +122,42 @@ def fast_here() -> bool:
     return False
 
 
-def quantize_linears(model: Any) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (on the CPU) by an :class:`Int8Linear`;
-    return how many were replaced. Call it on the fp32 model, before casting the rest to
-    bf16 (the scales come from the fp32 weights).
+#: Sibling layers that read the same input, by their names in Hugging Face decoders
+#: (Llama, Qwen2, Mistral, ...): under ``w8a8`` they quantize it once (see
+#: :class:`~agentspec.targets.w8a8.SharedInput`).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def quantize_linears(model: Any, activations: bool = False) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (on the CPU) by an :class:`Int8Linear`, or
+    with ``activations`` by a :class:`~agentspec.targets.w8a8.W8A8Linear`; return how many
+    were replaced. Call it on the fp32 model, before casting the rest to bf16 (the scales
+    come from the fp32 weights).
 
     Raises:
         ConfigError: the model is not on the CPU, has no ``nn.Linear`` layer, or torch
             lacks the kernel.
     """
-    if not supported():
-        raise ConfigError(f"dtype 'int8' needs torch._weight_int8pack_mm, which torch "
+    dtype = "w8a8" if activations else "int8"
+    if not (w8a8.supported() if activations else supported()):
+        raise ConfigError(f"dtype {dtype!r} needs a CPU int8 kernel that torch "
                           f"{torch.__version__} lacks; use dtype 'bfloat16'")
     replaced = 0
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear:
-                continue
+        linears = {name: child for name, child in parent.named_children()
+                   if type(child) is torch.nn.Linear}
+        shared = _shared_inputs(linears) if activations else {}
+        for name, child in linears.items():
             if child.weight.device.type != "cpu":
-                raise ConfigError(f"dtype 'int8' runs on the CPU only; layer {name!r} is on "
-                                  f"{child.weight.device.type} (use bfloat16 on a GPU)")
-            setattr(parent, name, Int8Linear(child.weight, child.bias))
+                raise ConfigError(f"dtype {dtype!r} runs on the CPU only; layer {name!r} is "
+                                  f"on {child.weight.device.type} (use bfloat16 on a GPU)")
+            layer: torch.nn.Module = (
+                w8a8.W8A8Linear(child.weight, child.bias, shared.get(name)) if activations
+                else Int8Linear(child.weight, child.bias))
+            setattr(parent, name, layer)
             replaced += 1
     if not replaced:  # else "int8" would silently be bf16
-        raise ConfigError(f"dtype 'int8' found no torch.nn.Linear layer to quantize in "
+        raise ConfigError(f"dtype {dtype!r} found no torch.nn.Linear layer to quantize in "
                           f"{type(model).__name__}; use dtype 'bfloat16'")
     # A tied output layer was a view of the embedding: the embedding keeps its own tensor
     # and the config must not tie them again on a later call.
@@ -147,3 +165,15 @@ def quantize_linears(model: Any) -> int:
     if config is not None and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False
     return replaced
+
+
+def _shared_inputs(linears: dict[str, torch.nn.Linear]) -> dict[str, w8a8.SharedInput]:
+    """One :class:`~agentspec.targets.w8a8.SharedInput` per group of :data:`SIBLINGS`
+    present (all members, one input width) among one module's ``linears``."""
+    out: dict[str, w8a8.SharedInput] = {}
+    for group in SIBLINGS:
+        if all(n in linears for n in group) and \
+                len({linears[n].in_features for n in group}) == 1:
+            shared = w8a8.SharedInput(members=len(group))
+            out.update({n: shared for n in group})
+    return out

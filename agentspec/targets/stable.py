@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from agentspec.errors import ConfigError
 from agentspec.targets.int8 import Int8Linear
+from agentspec.targets.w8a8 import W8A8Linear
 
 #: Key-length alignment on the CPU (see the module docstring).
 CPU_ALIGN = 512
@@ -145,13 +146,14 @@ def _products(model: Any) -> Iterator[tuple[int, Callable[[torch.Tensor], torch.
     """Each distinct CPU product of ``model``'s linear layers once: (input width, the
     product ``x -> x @ Wᵀ`` its forward runs, the activations' dtype)."""
     seen: set[tuple[int, int, torch.dtype]] = set()
+    product: Callable[[torch.Tensor], torch.Tensor]
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
             product = partial(torch.nn.functional.linear, weight=w)
-        elif isinstance(mod, Int8Linear):  # its own kernel, probed like any other
+        elif isinstance(mod, (Int8Linear, W8A8Linear)):  # its own kernel, probed alike
             w = mod.qweight
-            product = partial(torch._weight_int8pack_mm, mat2=w, scales=mod.scales)
+            product = mod.product
         else:
             continue
         key = (int(w.shape[0]), int(w.shape[1]), w.dtype)

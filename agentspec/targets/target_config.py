@@ -18,10 +18,13 @@ from agentspec.errors import ConfigError, DeviceUnavailableError
 from agentspec.targets import int8, stable
 from agentspec.targets.stable import StablePolicy
 
-__all__ = ["DTYPES", "TargetConfig"]
+__all__ = ["DTYPES", "QUANTIZED", "TargetConfig"]
 
 #: The precisions a target loads in (see :attr:`TargetConfig.dtype`).
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "w8a8")
+
+#: The precisions whose linear layers are quantized at load (CPU only).
+QUANTIZED = ("int8", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,11 @@ class TargetConfig:
         model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
         dtype: ``"float32"`` (the reference), ``"bfloat16"`` or ``"int8"`` (int8
             weight-only linear layers over bf16 activations, quantized at load from the fp32
-            weights; CPU only, see :mod:`~agentspec.targets.int8`); each exact against plain
-            decoding in the same precision (bf16 and int8 through shape-stable forwards, see
+            weights; CPU only, see :mod:`~agentspec.targets.int8`) or ``"w8a8"`` (int8
+            weights and per-token int8 activations summed in int32: cheap multi-row verifies,
+            answers further from fp32's; CPU only, see :mod:`~agentspec.targets.w8a8`);
+            each exact against plain decoding in the same precision (the others through
+            shape-stable forwards, see
             ``shape_stable``). ``"auto"`` becomes ``"int8"`` on a CPU where it is fast
             (:func:`~agentspec.targets.int8.fast_here`), else ``"float32"``; the
             config's ``dtype`` holds the choice once built.
@@ -56,7 +62,7 @@ class TargetConfig:
             shapes, so a row's logits never depend on how many rows share its forward
             (:mod:`agentspec.targets.stable`): what makes bf16 speculation token-identical
             to plain bf16 decoding, and on CUDA what lets a step run as a captured graph.
-            ``None`` (auto): on for bfloat16, int8 and on CUDA, off for fp32 on the CPU (exact
+            ``None`` (auto): on for bfloat16, int8, w8a8 and on CUDA, off for fp32 on the CPU (exact
             without it; tree drafts verify as chains while it is on).
         cuda_graphs: Capture the shape-stable CUDA step as a graph (falls back to eager
             steps, with a warning, if capture fails).
@@ -79,7 +85,7 @@ class TargetConfig:
         their thread count is pinned where their bits depend on it."""
         on = self.shape_stable
         if on is None:
-            on = self.dtype in ("bfloat16", "int8") or device.startswith("cuda")
+            on = self.dtype in ("bfloat16", *QUANTIZED) or device.startswith("cuda")
         if not on or (model is not None and not stable.full_attention(model)):
             return None
         policy = StablePolicy.for_device(device, graphs=self.cuda_graphs)
@@ -102,25 +108,27 @@ class TargetConfig:
             object.__setattr__(self, "dtype", "int8" if cpu and int8.fast_here() else "float32")
         if self.dtype not in DTYPES:
             raise ConfigError(
-                f"dtype must be 'float32', 'bfloat16', 'int8' or 'auto', got {self.dtype!r}")
+                f"dtype must be 'float32', 'bfloat16', 'int8', 'w8a8' or 'auto', "
+                f"got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
     @property
     def load_dtype(self) -> str:
-        """The precision the model's files are loaded in (int8 is quantized from fp32)."""
-        return "float32" if self.dtype == "int8" else self.dtype
+        """The precision the model's files are loaded in (int8 and w8a8 are quantized from
+        fp32)."""
+        return "float32" if self.dtype in QUANTIZED else self.dtype
 
     def resolved_device(self) -> str:
         """The device actually used.
 
         Raises:
             DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
-            ConfigError: ``dtype="int8"`` with ``device="cuda"`` (a CPU kernel).
+            ConfigError: ``dtype="int8"`` or ``"w8a8"`` with ``device="cuda"`` (CPU kernels).
         """
-        if self.dtype == "int8":  # the int8 weight-only kernel is the CPU's
+        if self.dtype in QUANTIZED:  # the int8 kernels used are the CPU's
             if self.device == "cuda":
-                raise ConfigError("dtype='int8' (int8 weight-only layers) runs on the CPU "
+                raise ConfigError(f"dtype={self.dtype!r} (int8 layers) runs on the CPU "
                                   "only; on a GPU use dtype='bfloat16'")
             return "cpu"
         if self.device == "auto":

@@ -1,4 +1,4 @@
-"""bf16 and int8 on the embedded model: speculation is token-identical to plain decoding in
+"""bf16, int8 and w8a8 on the embedded model: speculation is token-identical to plain decoding in
 the same precision.
 
 The rounding differences that break it are rare per product (a one-row product rounds one
@@ -21,9 +21,10 @@ from agentspec.types import SessionRef
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+@pytest.fixture(scope="module", params=["bfloat16", "int8", "w8a8"])
 def bf16_target(request: pytest.FixtureRequest) -> HFTarget:
-    """The embedded model in bf16, then with int8 weight-only layers (bf16 activations)."""
+    """The embedded model in bf16, then with int8 weight-only layers (bf16 activations),
+    then with int8 weights and activations."""
     return HFTarget.load(TargetConfig(dtype=request.param, measure_costs=False,
                                       prefix_cache_bytes=0))
 
