@@ -23,7 +23,7 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, int8, linear
+from agentspec.targets import attention, costs, int8, linear, stable
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter
 from agentspec.targets.kv import ModelKV
@@ -68,11 +68,16 @@ class HFTarget:
         meter: The cost curves, their file and the live cost (:mod:`.cost_meter`).
         lock: Held by every caller for the whole of a request (one KV cache: one request
             at a time, whichever runtime or policy runs it).
+
+    ``adapt_prefill`` lets a prompt's forwards run with one thread on a busy machine; set
+    it only where their bits do not depend on the count (:meth:`load` probes it:
+    :func:`~agentspec.targets.stable.prompt_thread_invariant`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str,
                  prefix_cache: PrefixCache | None = None,
-                 stable_policy: StablePolicy | None = None) -> None:
+                 stable_policy: StablePolicy | None = None,
+                 adapt_prefill: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -97,6 +102,7 @@ class HFTarget:
         self.meter = CostMeter(self.kv, name, dtype if stable_policy is None else f"{dtype}-stable",
                                lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar),
                                forms)
+        self.meter.adapt_prefill = adapt_prefill
         self.reuse = PrefixReuse(self.kv, prefix_cache)
         self.scoring = Scorer(self.kv, self.reuse, self.meter)
 
@@ -113,6 +119,8 @@ class HFTarget:
                              config.prefix_spill_bytes)
         target = cls(model, tok, files.name, config.dtype, device, store,
                      config.stable_policy(device, model))
+        if device == "cpu":  # a busy machine's prefill may then take one thread
+            target.meter.adapt_prefill = stable.prompt_thread_invariant(target.kv)
         if config.measure_costs:  # here, not inside the first request
             target.measure_cost_curves(progress=True)
         return target
@@ -219,6 +227,11 @@ class HFTarget:
         ``[V]``. A tail after reused KV goes in :data:`PREFILL_CHUNK`-token forwards (a
         cache-free prefill keeps one forward: it runs the causal kernel); ``cancel`` is
         checked before each."""
+        with self.meter.prefill():  # one thread beside a busy process, where exact
+            return self._feed_chunks(tokens, chunked, cancel)
+
+    def _feed_chunks(self, tokens: list[int], chunked: bool,
+                     cancel: threading.Event | None) -> torch.Tensor:
         step = PREFILL_CHUNK if chunked else len(tokens)
         if len(tokens) <= step:
             check_cancel(cancel, _CANCELLED)

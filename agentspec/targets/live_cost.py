@@ -17,10 +17,12 @@ steps as much as for verifies (beside a busy process a two-thread one-row step c
 times its quiet time; ``docs/draft-cost.md``). The tracker picks the cheaper estimate per
 cell and re-tries the other whenever its evidence has aged out (``explore_after`` seconds),
 so it follows the load as it comes and goes. A one-row forward gives the same bits with one
-thread or ``T`` (tested on both shipped models; a prefill does not), so plain decoding, the
-reference of every lossless guarantee, is unchanged. A verify forward's thread count may
-change the order of its sums in the last bits, as a change of kernel does; outputs are
-tested token-identical as before.
+thread or ``T`` (tested on both shipped models), so plain decoding, the reference of every
+lossless guarantee, is unchanged. A prompt's forwards follow the load too
+(:meth:`LiveCost.prefill_threads`), but only where a load-time probe found their bits the
+same with either count (bf16, int8 and w8a8 on both shipped models; not fp32). A verify
+forward's thread count may change the order of its sums in the last bits, as a change of
+kernel does; outputs are tested token-identical as before.
 
 Estimates. ``ratio(t, r, c) = exp((w·mean_log + m·log fallback) / (w + m))`` with ``w`` the
 cell's decayed weight (half-life ``half_life`` seconds of wall time), ``m`` pseudo
@@ -42,6 +44,12 @@ from typing import Any
 
 from agentspec.errors import ConfigError
 from agentspec.types import ContextCost
+
+#: How much cheaper one thread's forwards must be estimated than ``T``'s before a prefill
+#: takes one thread (:meth:`LiveCost.prefill_threads`). Beside a busy process a two-thread
+#: forward costs 1.3x to many times a one-thread one; on a quiet machine the two tie
+#: within noise for one row and two threads win for many.
+PREFILL_MARGIN = 0.8
 
 
 def safe_prior(k: int, context: int) -> float:
@@ -199,6 +207,36 @@ class LiveCost:
                                   or now - cell.stamp > self.config.explore_after):
                     return t  # stale evidence: try it once
         return best
+
+    def prefill_threads(self) -> int:
+        """The thread count a prompt's forwards run with: one thread when, at the widest
+        row bucket where both thread counts have fresh evidence (within
+        ``explore_after`` seconds), one thread's estimate is under
+        :data:`PREFILL_MARGIN` times ``T``'s; else ``T``.
+
+        A prefill is a forward over many rows, the kind whose parallel regions wait on a
+        descheduled thread when another process takes a core; it borrows the verifies'
+        evidence instead of timing prefills of its own, which come in sizes too varied to
+        explore (one exploring prefill with the wrong count costs seconds). The margin
+        keeps a near tie, as one-row steps on a quiet machine show (memory-bound either
+        way), from sending a prefill to one thread, where it runs ~1.85x slower."""
+        if len(self._choices()) == 1:
+            return self.threads
+        now = self.clock()
+        fresh = self.config.explore_after
+        widest: tuple[int, float, float] | None = None  # (row bucket, ratio 1, ratio T)
+        with self._lock:
+            for (t, rb, cb), cell in self._cells.items():
+                other = self._cells.get((self.threads, rb, cb))
+                if t != 1 or other is None or now - cell.stamp > fresh \
+                        or now - other.stamp > fresh:
+                    continue
+                if widest is None or rb > widest[0]:
+                    widest = (rb, self._ratio(1, rb, cb, now),
+                              self._ratio(self.threads, rb, cb, now))
+        if widest is None:
+            return self.threads
+        return 1 if widest[1] < PREFILL_MARGIN * widest[2] else self.threads
 
     def observe(self, k: int, context: int, threads: int, seconds: float) -> None:
         """Record a timed forward over ``k`` rows at ``context`` run with ``threads``."""

@@ -228,6 +228,42 @@ def thread_invariant(model: Any, trials: int = 8, seed: int = 0) -> bool:
     return True
 
 
+def prompt_thread_invariant(kv: Any, lengths: tuple[int, ...] = (70, 9),
+                            seed: int = 0) -> bool:
+    """Whether a prompt's forwards give the same logits with one thread as with the
+    process's thread count: a cold prefill of ``lengths[0]`` random tokens (a forward of
+    many rows, as every chunk of 64 rows or more), then chunks of the other lengths fed
+    after them (a short tail after reused KV, which may take other kernels); each chunk's
+    last logits and the keys and values every position left in the cache are compared.
+    Where this holds a prefill may run with one thread on a busy machine without changing
+    an answer (:meth:`~agentspec.targets.cost_meter.CostMeter.prefill`).
+
+    Args:
+        kv: The target's :class:`~agentspec.targets.kv.ModelKV` (its cache is left
+            empty).
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return True
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, kv.vocab, (sum(lengths),), generator=gen).tolist()
+    outs = []
+    try:
+        for t in (threads, 1):
+            torch.set_num_threads(t)
+            kv.cache = kv.new_cache()
+            start, seen = 0, []
+            for n in lengths:
+                seen.append(kv.forward(ids[start : start + n], last_only=True))  # [1, V]
+                start += n
+            seen += [t.clone() for layer in kv.layers() for t in layer]  # [1, h, Σ, d] each
+            outs.append(seen)
+    finally:
+        torch.set_num_threads(threads)
+        kv.cache = kv.new_cache()
+    return all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+
+
 def full_attention(model: Any) -> bool:
     """Whether every decoder layer of ``model`` attends the whole context (no sliding
     window): a shape-stable forward masks positions itself."""

@@ -189,3 +189,71 @@ def test_one_row_forwards_give_the_same_bits_with_any_thread_count(
             target.score([tok])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prefill_follows_the_widest_verify_evidence() -> None:
+    """A prefill takes one thread only when the widest row bucket with fresh evidence for
+    both counts says one thread is cheaper now."""
+    clock = Clock()
+    live = LiveCost(linear_prior, threads=2, clock=clock,
+                    config=LiveCostConfig(explore_after=30.0))
+    assert live.prefill_threads() == 2  # no evidence: the process's count
+    live.observe(1, 500, 1, 0.5 * linear_prior(1, 500))  # one-row: one thread cheaper ...
+    assert live.prefill_threads() == 2  # ... but nothing for two threads there yet
+    live.observe(1, 500, 2, 1.0 * linear_prior(1, 500))
+    assert live.prefill_threads() == 1
+    tie = LiveCost(linear_prior, threads=2, clock=clock)
+    for t, f in ((1, 0.95), (2, 1.0)):  # a near tie (one row, quiet): the process's count
+        tie.observe(1, 500, t, f * linear_prior(1, 500))
+    assert tie.prefill_threads() == 2
+    live.observe(8, 500, 1, 2.0 * linear_prior(8, 500))  # wider: two threads cheaper
+    live.observe(8, 500, 2, 1.0 * linear_prior(8, 500))
+    assert live.prefill_threads() == 2  # the widest bucket decides
+    clock.now += 31  # all of it aged out
+    assert live.prefill_threads() == 2
+    busy = LiveCost(linear_prior, threads=2, clock=clock)
+    for _ in range(6):  # beside a busy process, as the verifies keep showing
+        for t, f in ((1, 1.0), (2, 3.0)):
+            busy.observe(16, 900, t, f * linear_prior(16, 900))
+    assert busy.prefill_threads() == 1
+    assert LiveCost(linear_prior, threads=1).prefill_threads() == 1
+    frozen = LiveCost(linear_prior, threads=2, config=LiveCostConfig(adapt_threads=False))
+    assert frozen.prefill_threads() == 2
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_a_prefill_runs_with_the_threads_the_load_calls_for(
+        tiny_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, adapt: bool) -> None:
+    """Where the prompt probe passed, a prefill (cold and a tail after reused KV) runs
+    with the count the live tracker picks, and the count is restored after it."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        pytest.skip("one thread: nothing to choose (CI machines have 2)")
+    target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu",
+                      adapt_prefill=adapt)
+    monkeypatch.setattr(target.live_cost, "prefill_threads", lambda: 1)
+    seen: list[int] = []
+    target.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    target.prefill(list(range(2, 60)))
+    assert seen == [1 if adapt else threads]
+    assert torch.get_num_threads() == threads
+    target.score([5])
+    assert torch.get_num_threads() == threads
+
+
+def test_the_prompt_probe_sees_thread_dependent_bits(tiny_model: torch.nn.Module) -> None:
+    """The probe passes on the tiny model in int8 and fails where prompt forwards change
+    with the thread count (else it could not fail)."""
+    from agentspec.targets.int8 import quantize_linears
+    from agentspec.targets.stable import prompt_thread_invariant
+
+    if torch.get_num_threads() == 1:
+        pytest.skip("one thread: nothing to compare (CI machines have 2)")
+    model = copy.deepcopy(tiny_model)
+    quantize_linears(model)
+    target = HFTarget(model.to(torch.bfloat16), None, "tiny-llama", "int8", "cpu")
+    assert prompt_thread_invariant(target.kv)
+    assert target.num_cached == 0  # the probe leaves the cache empty
+    norm = target.model.model.norm
+    norm.register_forward_hook(lambda _m, _i, out: out * (1 + 1e-3 * torch.get_num_threads()))
+    assert not prompt_thread_invariant(target.kv)
