@@ -158,10 +158,9 @@ class CostMeter:
     def prefill(self) -> Iterator[None]:
         """Run a prompt's forwards with the thread count the machine's load calls for
         (:meth:`~agentspec.targets.live_cost.LiveCost.prefill_threads`): beside a busy
-        process one thread fed a 1,200-token prompt ~1.35x faster than two on a 2-core
-        machine, and two threads ~1.85x faster on a quiet one. Only where
-        :attr:`adapt_prefill` is set (the bits do not depend on the count); else the
-        process's thread count."""
+        process one thread feeds a long prompt faster than two on a 2-core machine, two
+        are faster on a quiet one (docs/draft-cost.md). Only where :attr:`adapt_prefill`
+        is set (the bits do not depend on the count); else the process's thread count."""
         threads = (self.live_cost.prefill_threads()
                    if self.adapt_prefill and self.kv.device == "cpu" and not self.measuring
                    else None)

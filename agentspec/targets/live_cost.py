@@ -219,7 +219,8 @@ class LiveCost:
         evidence instead of timing prefills of its own, which come in sizes too varied to
         explore (one exploring prefill with the wrong count costs seconds). The margin
         keeps a near tie, as one-row steps on a quiet machine show (memory-bound either
-        way), from sending a prefill to one thread, where it runs ~1.85x slower."""
+        way), from sending a prefill to one thread, where a quiet machine runs it much
+        slower."""
         if len(self._choices()) == 1:
             return self.threads
         now = self.clock()

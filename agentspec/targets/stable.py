@@ -256,7 +256,7 @@ def prompt_thread_invariant(kv: Any, lengths: tuple[int, ...] = (70, 9),
             for n in lengths:
                 seen.append(kv.forward(ids[start : start + n], last_only=True))  # [1, V]
                 start += n
-            seen += [t.clone() for layer in kv.layers() for t in layer]  # [1, h, Σ, d] each
+            seen += [x.clone() for layer in kv.layers() for x in layer]  # [1, h, Σ, d] each
             outs.append(seen)
     finally:
         torch.set_num_threads(threads)

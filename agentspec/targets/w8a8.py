@@ -2,10 +2,10 @@
 costs little more than one row, and every row's bits are the same at any row count.
 
 :mod:`.int8` keeps bf16 activations: its kernel converts each weight to float for each
-row, so its cost grows almost linearly with the rows (a 16-row verify of Qwen2.5-Coder-0.5B
-costs ~3.8x a one-row step on a 2-core AVX-512 machine). Here each activation row is
-quantized too, symmetrically per row (per token), and the product runs on the CPU's int8
-dot-product units (``torch._int_mm``: int8 × int8 summed in int32):
+row, so its cost grows almost linearly with the rows (docs/cpu_step.md has the figures).
+Here each activation row is quantized too, symmetrically per row (per token), and the
+product runs on the CPU's int8 dot-product units (``torch._int_mm``: int8 × int8 summed in
+int32):
 
     a[r]    = max_k |x[r, k]| / 127          q_x[r, k] = round(x[r, k] / a[r])
     y[r, j] = bf16( (Σ_k q_x[r, k] · q_w[j, k]) · s[j] · a[r] + b[j] )
@@ -17,8 +17,8 @@ it in, so the product of a row does not depend on the row count, the row's place
 kernel the library picks for that shape or the thread count; the row's scale comes from a
 maximum (exact in any order) and the rest is element-wise. Speculation is therefore
 token-identical to plain decoding of the same model with no padding of decode forwards,
-and prefill chunks take the same kernel (it is ~2x faster than bf16's GEMM over 512 rows),
-so the prompt's KV is what one-row steps would write.
+and prefill chunks take the same kernel (faster than bf16's GEMM over many rows), so the
+prompt's KV is what one-row steps would write.
 
 **What it gives up.** Quantizing activations loses more than quantizing weights alone:
 answers drift further from fp32's than int8's do (docs/cpu_step.md measures by how much).
