@@ -59,11 +59,9 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        w = weight.detach().float()  # [out, in]; quantized from fp32, whatever it was stored in
-        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q.contiguous())  # [out, in] int8
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        q, scale = w8a8.quantize_weight(weight)  # from fp32, whatever it was stored in
+        self.register_buffer("qweight", q)  # [out, in] int8
         self.register_buffer("scales", scale.to(torch.bfloat16))  # [out]
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16))

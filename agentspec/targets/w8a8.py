@@ -31,7 +31,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedInput", "W8A8Linear", "quantize_rows", "supported"]
+__all__ = ["SharedInput", "W8A8Linear", "quantize_rows", "quantize_weight", "supported"]
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 quantization of a linear layer's ``weight``
+    ``[out, in]``, from its fp32 values whatever it is stored in (int8's and w8a8's
+    weights alike).
+
+    Returns:
+        ``(q, s)``: ``q`` ``[out, in]`` int8 in ``[-127, 127]`` (contiguous) and ``s``
+        ``[out]`` fp32 with ``weight ≈ q · s``.
+    """
+    w = weight.detach().float()  # [out, in]
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +117,9 @@ class W8A8Linear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  shared: SharedInput | None = None) -> None:
         super().__init__()
-        w = weight.detach().float()  # [out, in]
-        self.out_features, self.in_features = int(w.shape[0]), int(w.shape[1])
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q.contiguous())  # [out, in] int8
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        q, scale = quantize_weight(weight)
+        self.register_buffer("qweight", q)  # [out, in] int8
         self.register_buffer("scales", scale)  # [out] fp32: applied to the exact int32 sums
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.shared = shared if shared is not None else SharedInput()
