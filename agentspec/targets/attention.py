@@ -27,6 +27,12 @@ splits the keys between threads, so its bits depend on the thread count (which t
 cost lowers on a loaded machine). These products give a row the same bits for any row
 count, any thread count, and any key length that is a multiple of 512 (tested), so a
 one-row plain step needs no padding rows.
+
+A prompt's tail of :data:`SPLIT_ROWS` or more tokens fed after cached positions, in a
+reduced precision, takes :func:`split_tail_attention`: the masked kernel above is the
+largest part of such a forward at agent contexts, and two unmasked passes merged by their
+log-sum-exp cost less. fp32 keeps transformers' kernel, so its prompts keep the
+reference's bits.
 """
 
 from __future__ import annotations
@@ -86,6 +92,12 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # single query, so its bits depend on the thread count, which the live cost lowers
         # on a loaded machine; these products do not.
         return stable_attention(query, key, value, attention_mask, scaling), None
+    if query.dtype != torch.float32 and not special and dropout == 0.0:
+        # A prompt's tail after cached positions (bf16, int8, w8a8; fp32 keeps
+        # transformers' kernel, the reference's bits): two unmasked passes.
+        out = split_tail_attention(query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     plain = (attention_mask is None or query.shape[2] == 1 or groups == 1
              or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
@@ -122,3 +134,55 @@ def install_gqa_attention(model: Any, always: bool = False) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
     return True
+
+
+#: Fewest query rows for which a prompt's forward after cached positions splits its
+#: attention (:func:`split_tail_attention`); verifies and short tails keep one kernel.
+SPLIT_ROWS = 32
+
+
+def _tail_mask(mask: torch.Tensor | None, t: int, n: int) -> bool:
+    """Whether ``mask`` (boolean, ``[1, 1, t, n]``) lets each of the last ``t`` rows see
+    every cached position and the tail causally: the only mask the split computes."""
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, t, n):
+        return False
+    expected = torch.ones(t, n, dtype=torch.bool).tril_(n - t)  # [t, n]
+    return torch.equal(mask[0, 0], expected)
+
+
+def split_tail_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None,
+                         scaling: float | None = None) -> torch.Tensor | None:
+    """Attention of a prompt's tail fed after cached positions, in two unmasked parts:
+    query ``[1, H, t, d]`` (bf16), key and value ``[1, kv_heads, n, d]`` whose last ``t``
+    positions are the tail's own; returns ``[1, t, H, d]``, or None where the mask is not
+    the tail's (every cached position plus the causal tail) or the shapes do not fit.
+
+    Why. With a mask PyTorch's CPU flash kernel reads it for every block and handles each
+    query head apart; without one it runs its fastest loop. So the ``g`` query heads of a
+    group are stacked as the rows of one unmasked pass over the cached positions, and the
+    tail attends to itself with the kernel's own causal mask. Each pass returns its
+    log-sum-exp ``ℓ``, and the two merge exactly as softmax over the union does:
+    ``o = (o₁·e^{ℓ₁} + o₂·e^{ℓ₂}) / (e^{ℓ₁} + e^{ℓ₂})``. Both passes and the merge run in
+    fp32 (the kernel costs the same as in bf16 here) and the output is rounded once.
+    """
+    b, h, t, d = query.shape
+    kv, n = key.shape[1], key.shape[-2]
+    if (b != 1 or t < SPLIT_ROWS or n <= t or h % kv or query.device.type != "cpu"
+            or not _tail_mask(attention_mask, t, n)):
+        return None
+    g, cached = h // kv, n - t
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q = query.float()
+    k, v = key.float(), value.float()  # [1, kv, n, d]
+    past, past_lse = flash(q.reshape(1, kv, g * t, d), k[:, :, :cached], v[:, :, :cached],
+                           scale=scaling)[:2]  # [1, kv, g*t, d], [1, kv, g*t]
+    past, past_lse = past.reshape(1, h, t, d), past_lse.reshape(1, h, t)
+    own, own_lse = flash(q, k[:, :, cached:].repeat_interleave(g, 1),
+                         v[:, :, cached:].repeat_interleave(g, 1), is_causal=True,
+                         scale=scaling)[:2]  # [1, h, t, d], [1, h, t]
+    top = torch.maximum(past_lse, own_lse)
+    w_past = torch.exp(past_lse - top)[..., None]  # [1, h, t, 1]
+    w_own = torch.exp(own_lse - top)[..., None]
+    out = (past * w_past + own * w_own) / (w_past + w_own)  # [1, h, t, d] fp32
+    return out.to(query.dtype).transpose(1, 2).contiguous()

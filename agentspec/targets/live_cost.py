@@ -209,35 +209,42 @@ class LiveCost:
         return best
 
     def prefill_threads(self) -> int:
-        """The thread count a prompt's forwards run with: one thread when, at the widest
-        row bucket where both thread counts have fresh evidence (within
-        ``explore_after`` seconds), one thread's estimate is under
-        :data:`PREFILL_MARGIN` times ``T``'s; else ``T``.
+        """The thread count a prompt's forwards run with: one thread when the forwards
+        timed with both counts recently say one thread is now clearly cheaper (under
+        :data:`PREFILL_MARGIN` times ``T``'s); else ``T``.
 
         A prefill is a forward over many rows, the kind whose parallel regions wait on a
-        descheduled thread when another process takes a core; it borrows the verifies'
-        evidence instead of timing prefills of its own, which come in sizes too varied to
-        explore (one exploring prefill with the wrong count costs seconds). The margin
-        keeps a near tie, as one-row steps on a quiet machine show (memory-bound either
-        way), from sending a prefill to one thread, where a quiet machine runs it much
-        slower."""
+        descheduled thread when another process takes a core; it borrows the decode
+        forwards' evidence instead of timing prefills of its own, which come in sizes too
+        varied to explore (one exploring prefill with the wrong count costs seconds).
+
+        The evidence is pooled over every cell (row bucket, context bucket) where both
+        counts have fresh timings (within ``explore_after`` seconds): each cell gives
+        ``log(observed₁ / observed_T)`` from its own timings alone (the estimates' pseudo
+        observations would pull a cell explored once back to its neighbour's, making a
+        clear case look like a tie), weighted by the lesser of the two cells' evidence and
+        by the row bucket, since a prefill's rows are many. The margin keeps a near tie, as
+        one-row steps on a quiet machine show (memory-bound either way), from sending a
+        prefill to one thread, where a quiet machine runs it much slower."""
         if len(self._choices()) == 1:
             return self.threads
-        now = self.clock()
-        fresh = self.config.explore_after
-        widest: tuple[int, float, float] | None = None  # (row bucket, ratio 1, ratio T)
+        now, fresh, half = self.clock(), self.config.explore_after, self.config.half_life
+        total = weight = 0.0
         with self._lock:
-            for (t, rb, cb), cell in self._cells.items():
-                other = self._cells.get((self.threads, rb, cb))
-                if t != 1 or other is None or now - cell.stamp > fresh \
-                        or now - other.stamp > fresh:
+            for (t, rb, cb), one in self._cells.items():
+                many = self._cells.get((self.threads, rb, cb))
+                if t != 1 or many is None or now - one.stamp > fresh \
+                        or now - many.stamp > fresh:
                     continue
-                if widest is None or rb > widest[0]:
-                    widest = (rb, self._ratio(1, rb, cb, now),
-                              self._ratio(self.threads, rb, cb, now))
-        if widest is None:
+                (s1, w1), (st, wt) = one.decayed(now, half), many.decayed(now, half)
+                if w1 <= 0 or wt <= 0:
+                    continue
+                w = min(w1, wt) * (1 + rb)
+                total += w * (s1 / w1 - st / wt)  # w · log(observed₁ / observed_T)
+                weight += w
+        if weight == 0:
             return self.threads
-        return 1 if widest[1] < PREFILL_MARGIN * widest[2] else self.threads
+        return 1 if total / weight < math.log(PREFILL_MARGIN) else self.threads
 
     def observe(self, k: int, context: int, threads: int, seconds: float) -> None:
         """Record a timed forward over ``k`` rows at ``context`` run with ``threads``."""

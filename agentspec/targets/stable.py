@@ -228,13 +228,15 @@ def thread_invariant(model: Any, trials: int = 8, seed: int = 0) -> bool:
     return True
 
 
-def prompt_thread_invariant(kv: Any, lengths: tuple[int, ...] = (70, 9),
+def prompt_thread_invariant(kv: Any, lengths: tuple[int, ...] = (70, 40, 9),
                             seed: int = 0) -> bool:
     """Whether a prompt's forwards give the same logits with one thread as with the
     process's thread count: a cold prefill of ``lengths[0]`` random tokens (a forward of
     many rows, as every chunk of 64 rows or more), then chunks of the other lengths fed
-    after them (a short tail after reused KV, which may take other kernels); each chunk's
-    last logits and the keys and values every position left in the cache are compared.
+    after them (tails after reused KV: one of
+    :data:`~agentspec.targets.attention.SPLIT_ROWS` rows or more, whose attention is
+    split, and a short one, which may take other kernels); each chunk's last logits and
+    the keys and values every position left in the cache are compared.
     Where this holds a prefill may run with one thread on a busy machine without changing
     an answer (:meth:`~agentspec.targets.cost_meter.CostMeter.prefill`).
 

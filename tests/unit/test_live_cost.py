@@ -191,9 +191,9 @@ def test_one_row_forwards_give_the_same_bits_with_any_thread_count(
         torch.set_num_threads(threads)
 
 
-def test_prefill_follows_the_widest_verify_evidence() -> None:
-    """A prefill takes one thread only when the widest row bucket with fresh evidence for
-    both counts says one thread is cheaper now."""
+def test_prefill_follows_the_pooled_verify_evidence() -> None:
+    """A prefill takes one thread only when the cells with fresh evidence for both counts,
+    wider row buckets weighing more, say one thread is clearly cheaper now."""
     clock = Clock()
     live = LiveCost(linear_prior, threads=2, clock=clock,
                     config=LiveCostConfig(explore_after=30.0))
@@ -208,7 +208,7 @@ def test_prefill_follows_the_widest_verify_evidence() -> None:
     assert tie.prefill_threads() == 2
     live.observe(8, 500, 1, 2.0 * linear_prior(8, 500))  # wider: two threads cheaper
     live.observe(8, 500, 2, 1.0 * linear_prior(8, 500))
-    assert live.prefill_threads() == 2  # the widest bucket decides
+    assert live.prefill_threads() == 2  # the wider bucket outweighs one row
     clock.now += 31  # all of it aged out
     assert live.prefill_threads() == 2
     busy = LiveCost(linear_prior, threads=2, clock=clock)
