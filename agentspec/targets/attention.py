@@ -146,8 +146,11 @@ def _tail_mask(mask: torch.Tensor | None, t: int, n: int) -> bool:
     every cached position and the tail causally: the only mask the split computes."""
     if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, t, n):
         return False
-    expected = torch.ones(t, n, dtype=torch.bool).tril_(n - t)  # [t, n]
-    return torch.equal(mask[0, 0], expected)
+    rows = mask[0, 0]  # [t, n]
+    own = torch.ones(t, t, dtype=torch.bool).tril_()  # [t, t]: the tail's causal part
+    # (min over bytes: bool all() over a strided view is ~15x slower here)
+    seen = bool(rows[:, : n - t].view(torch.uint8).min() == 1)  # every cached key
+    return seen and torch.equal(rows[:, n - t :], own)
 
 
 def split_tail_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -79,6 +79,10 @@ def test_other_masks_and_shapes_keep_the_masked_kernel() -> None:
     tree = mask.clone()
     tree[0, 0, 10, n - t + 4] = False  # a tree draft: a row not seeing an earlier node
     assert split_tail_attention(q, k, v, tree) is None
+    same = mask.clone()
+    assert split_tail_attention(q, k, v, same) is not None  # checked, then remembered ...
+    same[0, 0, 3, 7] = False  # ... but not once written in place
+    assert split_tail_attention(q, k, v, same) is None
     assert split_tail_attention(q, k, v, None) is None
     assert split_tail_attention(q, k, v, mask.float()) is None  # additive masks: not handled
     short = SPLIT_ROWS - 1
