@@ -147,10 +147,11 @@ def _tail_mask(mask: torch.Tensor | None, t: int, n: int) -> bool:
     if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, t, n):
         return False
     rows = mask[0, 0]  # [t, n]
-    own = torch.ones(t, t, dtype=torch.bool).tril_()  # [t, t]: the tail's causal part
-    # (min over bytes: bool all() over a strided view is ~15x slower here)
-    seen = bool(rows[:, : n - t].view(torch.uint8).min() == 1)  # every cached key
-    return seen and torch.equal(rows[:, n - t :], own)
+    # Every cached key seen (min over bytes: bool all() over a strided view is ~15x
+    # slower here), then the tail's own causal triangle.
+    if not bool(rows[:, : n - t].view(torch.uint8).min() == 1):
+        return False
+    return torch.equal(rows[:, n - t :], torch.ones(t, t, dtype=torch.bool).tril_())
 
 
 def split_tail_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -80,8 +80,8 @@ def test_other_masks_and_shapes_keep_the_masked_kernel() -> None:
     tree[0, 0, 10, n - t + 4] = False  # a tree draft: a row not seeing an earlier node
     assert split_tail_attention(q, k, v, tree) is None
     same = mask.clone()
-    assert split_tail_attention(q, k, v, same) is not None  # checked, then remembered ...
-    same[0, 0, 3, 7] = False  # ... but not once written in place
+    assert split_tail_attention(q, k, v, same) is not None  # the same mask passes ...
+    same[0, 0, 3, 7] = False  # ... and fails once written in place (checked every call)
     assert split_tail_attention(q, k, v, same) is None
     assert split_tail_attention(q, k, v, None) is None
     assert split_tail_attention(q, k, v, mask.float()) is None  # additive masks: not handled
@@ -100,7 +100,7 @@ def test_a_bf16_tail_prefill_takes_the_split_and_matches_a_cold_prefill(
     """Through the target: a bf16 tail of 48 tokens after reused KV runs the split (counted)
     and its last logits match one cold forward over the whole prompt to bf16 rounding; an
     fp32 target never takes it."""
-    calls: list[int] = []
+    calls: list[bool] = []
     real = attention.split_tail_attention
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
