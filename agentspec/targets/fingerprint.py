@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +92,22 @@ def module_fingerprint(model: Any) -> str:
     """
     h = hashlib.blake2b(b"agentspec-model-object-v1\0", digest_size=_DIGITS)
     h.update(_config_json(model).encode())
-    named = model.named_parameters() if isinstance(model, torch.nn.Module) else []
+    if isinstance(model, torch.nn.Module):
+        hash_tensors(h, model.named_parameters())
+    return h.hexdigest()
+
+
+def hash_tensors(h: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Feed ``h`` (a hashlib object) each tensor's name, shape, dtype and the bytes of
+    its first and last elements."""
     with torch.no_grad():
-        for name, param in named:
-            h.update(f"{name}\0{tuple(param.shape)}\0{param.dtype}\0".encode())
-            if param.device.type == "meta" or param.numel() == 0:
+        for name, tensor in named:
+            h.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+            if tensor.device.type == "meta" or tensor.numel() == 0:
                 continue  # no data to sample (the shape was hashed)
-            flat = param.detach().reshape(-1)
+            flat = tensor.detach().reshape(-1)
             sample = torch.cat([flat[:_ELEMENTS], flat[-_ELEMENTS:]]).cpu().contiguous()
             try:
                 h.update(sample.view(torch.uint8).numpy().tobytes())
             except (RuntimeError, TypeError):  # a dtype without a byte view (quantized)
                 h.update(repr(sample.tolist()).encode())
-    return h.hexdigest()

@@ -25,11 +25,12 @@ from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
 from agentspec.targets import attention, costs, int8, linear, stable
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
-from agentspec.targets.cost_meter import CostMeter
+from agentspec.targets.cost_meter import CostMeter, cost_key
 from agentspec.targets.kv import ModelKV
 from agentspec.targets.live_cost import LiveCost
 from agentspec.targets.lock import TargetLock
 from agentspec.targets.prefix_cache import PrefixCache
+from agentspec.targets.probe_cache import ProbeCache, is_bool, probe_key
 from agentspec.targets.reuse import PrefixReuse, prefix_store
 from agentspec.targets.scoring import Batch, Scorer
 from agentspec.targets.stable import StablePolicy
@@ -117,10 +118,14 @@ class HFTarget:
             model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
+        # The load-time probes' answers, kept per model, precision and machine.
+        probes = ProbeCache(probe_key(cost_key(files.name, model, config.dtype, device), model))
         target = cls(model, tok, files.name, config.dtype, device, store,
-                     config.stable_policy(device, model))
+                     config.stable_policy(device, model, probes))
         if device == "cpu":  # a busy machine's prefill may then take one thread
-            target.meter.adapt_prefill = stable.prompt_thread_invariant(target.kv)
+            target.meter.adapt_prefill = probes.value(
+                "prompt_thread_invariant", lambda: stable.prompt_thread_invariant(target.kv),
+                is_bool)
         if config.measure_costs:  # here, not inside the first request
             target.measure_cost_curves(progress=True)
         return target

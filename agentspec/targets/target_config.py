@@ -16,6 +16,7 @@ import torch
 
 from agentspec.errors import ConfigError, DeviceUnavailableError
 from agentspec.targets import int8, stable
+from agentspec.targets.probe_cache import ProbeCache, is_bool, is_rows, probed
 from agentspec.targets.stable import StablePolicy
 
 __all__ = ["DTYPES", "QUANTIZED", "TargetConfig"]
@@ -77,12 +78,14 @@ class TargetConfig:
     shape_stable: bool | None = None
     cuda_graphs: bool = True
 
-    def stable_policy(self, device: str, model: Any = None) -> StablePolicy | None:
+    def stable_policy(self, device: str, model: Any = None,
+                      probes: ProbeCache | None = None) -> StablePolicy | None:
         """The shape-stable policy for ``device`` (``None``: forwards keep their shapes).
         On the CPU ``model``'s products are checked for row-count invariance
         (:func:`~agentspec.targets.stable.invariant_rows`): a plain step is padded to the
         fewest rows they are invariant from (fixed-size chunks where they are not), and
-        their thread count is pinned where their bits depend on it."""
+        their thread count is pinned where their bits depend on it. ``probes``: where the
+        probes' results are kept between loads (``None``: probed here)."""
         on = self.shape_stable
         if on is None:
             on = self.dtype in ("bfloat16", *QUANTIZED) or device.startswith("cuda")
@@ -90,11 +93,13 @@ class TargetConfig:
             return None
         policy = StablePolicy.for_device(device, graphs=self.cuda_graphs)
         if model is not None and not device.startswith("cuda"):
-            rows = stable.invariant_rows(model)
+            rows = probed(probes, "invariant_rows", lambda: stable.invariant_rows(model),
+                           is_rows)
             policy = (dataclasses.replace(policy, min_rows=rows) if rows is not None else
                       dataclasses.replace(policy, min_rows=stable.CPU_MIN_ROWS,
                                           max_rows=stable.CPU_MIN_ROWS))
-            if not stable.thread_invariant(model):
+            if not probed(probes, "thread_invariant", lambda: stable.thread_invariant(model),
+                           is_bool):
                 policy = dataclasses.replace(policy, pin_threads=True)
         return policy
 
