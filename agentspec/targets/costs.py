@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,6 @@ def read_file(path: Path) -> dict[str, Any]:
 def write_file(path: Path, data: dict[str, Any]) -> None:
     """Write the cost file atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(data)}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{id(data)}.tmp")  # two writers, two files
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)

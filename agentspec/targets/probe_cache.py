@@ -22,7 +22,9 @@ and run the probes again.
 
 Files. One JSON file per key under ``$AGENTSPEC_HOME/probes``, written atomically; a
 corrupt, partial or unwritable file costs a probe run, never an error and never a wrong
-value (a value of the wrong type is probed again).
+value (a value of the wrong type is probed again). Two processes loading one model at
+once may both probe, and the file keeps the last writer's entries: a later load may probe
+again, never read another key's answer.
 """
 
 from __future__ import annotations
