@@ -118,8 +118,10 @@ class HFTarget:
             model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
-        # The load-time probes' answers, kept per model, precision and machine.
-        probes = ProbeCache(probe_key(cost_key(files.name, model, config.dtype, device), model))
+        # The load-time probes' answers, kept per model, precision, forward shapes (the
+        # shape-stable setting asked for) and machine.
+        probes = ProbeCache(probe_key(cost_key(
+            files.name, model, f"{config.dtype}-stable{config.shape_stable}", device), model))
         target = cls(model, tok, files.name, config.dtype, device, store,
                      config.stable_policy(device, model, probes))
         if device == "cpu":  # a busy machine's prefill may then take one thread
