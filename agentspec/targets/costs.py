@@ -111,7 +111,8 @@ def read_file(path: Path) -> dict[str, Any]:
 
 
 def write_file(path: Path, data: dict[str, Any]) -> None:
-    """Write the cost file atomically (a reader never sees half a file)."""
+    """Write a JSON file atomically (a reader never sees half a file): the cost files, and
+    the probe files of :mod:`agentspec.targets.probe_cache`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.{id(data)}.tmp")  # two writers, two files
     tmp.write_text(json.dumps(data, indent=1))

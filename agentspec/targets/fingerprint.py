@@ -111,3 +111,17 @@ def hash_tensors(h: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
                 h.update(sample.view(torch.uint8).numpy().tobytes())
             except (RuntimeError, TypeError):  # a dtype without a byte view (quantized)
                 h.update(repr(sample.tolist()).encode())
+
+
+def cpuinfo(field: str) -> str:
+    """The value of ``field`` in ``/proc/cpuinfo``'s first processor (``""`` where the file
+    or the field is missing): what a key or a choice says of the CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == field:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""

@@ -34,6 +34,7 @@ import torch
 from agentspec.errors import ConfigError
 from agentspec.targets import w8a8
 from agentspec.targets.attention import STABLE_STEP
+from agentspec.targets.fingerprint import cpuinfo
 
 __all__ = ["PREFILL_ROWS", "SIBLINGS", "Int8Linear", "fast_here", "quantize_linears",
            "supported"]
@@ -108,16 +109,7 @@ def fast_here() -> bool:
     """Whether ``dtype="auto"`` picks int8 on this CPU: the kernel exists and the CPU has
     AVX-512 (where int8 was measured faster than fp32 and bf16 at every decode row count
     up to 8; on other CPUs ``auto`` keeps fp32, the reference)."""
-    if not supported():
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512f" in line.split()
-    except OSError:
-        pass
-    return False
+    return supported() and "avx512f" in cpuinfo("flags").split()
 
 
 #: Sibling layers that read the same input, by their names in Hugging Face decoders

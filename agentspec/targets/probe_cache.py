@@ -40,7 +40,7 @@ import torch
 
 from agentspec.models import agentspec_home
 from agentspec.targets.costs import read_file, write_file
-from agentspec.targets.fingerprint import hash_tensors
+from agentspec.targets.fingerprint import cpuinfo, hash_tensors
 
 __all__ = ["ProbeCache", "is_bool", "is_rows", "probe_key", "probed"]
 
@@ -53,16 +53,6 @@ T = TypeVar("T")
 PROBE_VERSION = 2
 
 _DIGITS = 10  # digest bytes of the extra key (20 hex digits)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 #: The modules whose code decides what the probes find (the products, attention, the
@@ -91,7 +81,7 @@ def probe_key(cost_file_key: str, model: Any) -> str:
     h = hashlib.blake2b(f"agentspec-probes-v{PROBE_VERSION}\0".encode(), digest_size=_DIGITS)
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     h.update(f"{torch.__version__}\0{torch.version.git_version}\0{capability}\0"
-             f"{_cpu_name()}\0".encode())
+             f"{cpuinfo('model name') or platform.processor()}\0".encode())
     _code_digest(h)
     if isinstance(model, torch.nn.Module):  # int8 layers keep their weights here
         hash_tensors(h, model.named_buffers())
