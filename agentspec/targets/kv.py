@@ -21,6 +21,7 @@ import torch
 
 from agentspec.errors import ConfigError, PromptTooLongError
 from agentspec.targets.attention import STABLE_STEP
+from agentspec.targets.decoder import DirectDecoder
 from agentspec.targets.kv_cache import GrowingLayer, StepPlan, new_cache, reusable_layers
 from agentspec.targets.stable import StablePolicy, attend_length, chunks, step_inputs
 from agentspec.targets.step_graph import StepGraph
@@ -46,6 +47,8 @@ class ModelKV:
         stable: The shape-stable policy of decode forwards (:mod:`.stable`), ``None``:
             every forward has the shape of what it feeds.
         plan: Steers the next forward's cache writes (shared by every cache made here).
+        decoder: Runs shape-stable decode forwards without transformers' wrappers
+            (:mod:`.decoder`; CPU, Llama-family models), ``None``: transformers runs them.
     """
 
     def __init__(self, model: Any, device: str) -> None:
@@ -62,6 +65,7 @@ class ModelKV:
         self.plan = StepPlan()
         self._static: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.graph: StepGraph | None = None
+        self.decoder: DirectDecoder | None = None
         self._reusable: bool | None = None  # every cache layer full attention
         self._n_body: int | None = None
         # The hook runs on every position even when only the last logits are kept; holding
@@ -86,6 +90,7 @@ class ModelKV:
         value buffer per layer, the context window plus one bucket long, that every cache
         made afterwards sits on (a CUDA graph captured over them stays valid)."""
         self.stable = policy
+        self.plan.align = policy.align
         if policy.align is None:
             cfg = self.model.config
             heads = int(cfg.num_attention_heads)
@@ -97,6 +102,7 @@ class ModelKV:
                 (torch.zeros(1, kv_heads, length, dim, dtype=dtype, device=self.device),
                  torch.zeros(1, kv_heads, length, dim, dtype=dtype, device=self.device))
                 for _ in range(int(cfg.num_hidden_layers))]
+        self.decoder = DirectDecoder.build(self.model, self.device)
         if policy.graphs and policy.one_shape and str(self.device).startswith("cuda"):
             self.graph = StepGraph(self, policy.min_rows, self.static_length)
         self.cache = None
@@ -209,7 +215,8 @@ class ModelKV:
             n, start = len(chunk), self.num_cached
             rows = max(policy.min_rows, n)
             ids = chunk + [chunk[-1]] * (rows - n)  # padding rows: any valid token
-            attend = attend_length(start + rows, policy, self.static_length)
+            attend = self._whole_buffer(attend_length(start + rows, policy,
+                                                      self.static_length))
             out, feat = self._stable_chunk(ids, start, n, attend)
             logits.append(out[:n].float().cpu())  # [n, V]
             if feat is not None:
@@ -217,6 +224,20 @@ class ModelKV:
         self.features = (feats[0] if len(feats) == 1 else torch.cat(feats, dim=1)) \
             if feats else None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _whole_buffer(self, attend: int) -> int:
+        """``attend``, or the cache buffers' whole aligned length where that is at most one
+        alignment block longer: a product over a whole buffer reads contiguous keys (see
+        :meth:`GrowingLayer._reserve`), and under the policy a row's bits are the same for
+        any aligned key length (the positions past it are masked)."""
+        align = self.plan.align
+        layers = self._growing_layers() if self.cache is not None else []
+        if align is None or not layers:
+            return attend
+        capacity = layers[0].capacity
+        if capacity % align == 0 and attend < capacity <= attend + align:
+            return capacity
+        return attend
 
     def _stable_chunk(self, ids: list[int], start: int, n: int,
                       attend: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -251,16 +272,59 @@ class ModelKV:
         plan.real, plan.attend = real, attend
         if device_slots:
             plan.slots, plan.defer = pos[0], True
+        decoder = self.decoder
+        direct = (decoder is not None and decoder.usable and not device_slots
+                  and self.cache is not None
+                  and len(self._growing_layers()) == len(self.cache.layers))
         token = STABLE_STEP.set(True)
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                 cache_position=pos[0], use_cache=True,
-                                 **{self._cache_kw: self.cache})
+                if direct and decoder is not None and decoder.checked:
+                    return decoder.forward(ids, pos, mask, self.cache)
+                if direct and decoder is not None:
+                    return self._checked_direct(decoder, ids, pos, mask, real, attend)
+                return self._hf_call(ids, pos, mask)
         finally:
             plan.clear()
             STABLE_STEP.reset(token)
+
+    def _hf_call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """transformers' forward of a stable step (the plan already set): logits ``[rows, V]``."""
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                         cache_position=pos[0], use_cache=True, **{self._cache_kw: self.cache})
         return out.logits[0]
+
+    def _checked_direct(self, decoder: DirectDecoder, ids: torch.Tensor, pos: torch.Tensor,
+                        mask: torch.Tensor, real: int | None, attend: int) -> torch.Tensor:
+        """The decoder's first step, run twice: by the decoder, then (from the same fill
+        mark) by transformers, whose logits, keys and values it must match bit for bit or
+        it is dropped. The cache keeps transformers' writes; its logits are returned."""
+        layers = self._growing_layers()
+        start, rows = self.num_cached, int(ids.shape[1])
+        try:
+            mine = decoder.forward(ids, pos, mask, self.cache)
+        except Exception as exc:  # any failure means: not for this model
+            decoder.drop(f"{type(exc).__name__}: {exc}")
+            mine = None
+        written = [(layer._k[..., start : start + rows, :].clone(),  # [1, kv, rows, d]
+                    layer._v[..., start : start + rows, :].clone())
+                   for layer in layers if layer._k is not None and layer._v is not None]
+        for layer in layers:
+            layer.set_filled(start)
+        self.plan.real, self.plan.attend = real, attend
+        ref = self._hf_call(ids, pos, mask)
+        if mine is None:
+            return ref
+        same = len(written) == len(layers) and torch.equal(mine, ref) and all(
+            layer._k is not None and layer._v is not None
+            and torch.equal(k, layer._k[..., start : start + rows, :])
+            and torch.equal(v, layer._v[..., start : start + rows, :])
+            for layer, (k, v) in zip(layers, written, strict=False))
+        if same:
+            decoder.checked = True
+        else:
+            decoder.drop("its first step's logits or keys differ from transformers' forward")
+        return ref
 
     def _on_static(self) -> bool:
         """Whether the live cache sits on the static buffers (one row, never regrown)."""

@@ -46,6 +46,10 @@ class StepPlan:
             device (``None``: appended at the fill mark).
         defer: The caller advances the fill mark itself (:meth:`GrowingLayer.set_filled`;
             a replayed CUDA graph runs none of this host code).
+        align: Buffers grow to a multiple of this many positions, exactly (``None``: with
+            spare room). Kept across forwards (:meth:`clear` leaves it): the shape-stable
+            policy's key alignment, so that a forward attending the whole buffer reads it
+            as one contiguous block (see :meth:`GrowingLayer._reserve`).
     """
 
     def __init__(self) -> None:
@@ -53,9 +57,10 @@ class StepPlan:
         self.attend: int | None = None
         self.slots: torch.Tensor | None = None
         self.defer = False
+        self.align: int | None = None
 
     def clear(self) -> None:
-        """Back to plain appends."""
+        """Back to plain appends (the alignment stays)."""
         self.real = self.attend = self.slots = None
         self.defer = False
 
@@ -111,11 +116,21 @@ class GrowingLayer(DynamicLayer):
         if self.on_static():
             raise ValueError(f"{need} positions do not fit the static KV buffers of "
                              f"{self.capacity}")
-        # A quarter beyond the need: a cache filled from stored prefix blocks is extended
-        # by the prompt's tail and the answer next, without a second copy.
-        grown = max(need + need // 4, self.capacity + self.capacity // 2, _MIN_CAPACITY)
-        if self.max_positions is not None:
-            grown = max(need, min(grown, self.max_positions))
+        align = self.plan.align
+        if align is not None:
+            # Exactly the need rounded up to the alignment: a shape-stable forward attends
+            # the aligned length, and when that is the whole buffer its keys are one
+            # contiguous block per head. A slice of a longer buffer is not (each head's
+            # rows sit a capacity apart), and PyTorch's CPU bf16 batched product then
+            # copies the keys first: at 4k positions that copy cost ~3x the product itself.
+            # The price is one copy of the cache per ``align`` positions grown.
+            grown = -(-need // align) * align
+        else:
+            # A quarter beyond the need: a cache filled from stored prefix blocks is
+            # extended by the prompt's tail and the answer next, without a second copy.
+            grown = max(need + need // 4, self.capacity + self.capacity // 2, _MIN_CAPACITY)
+            if self.max_positions is not None:
+                grown = max(need, min(grown, self.max_positions))
         bufs = []
         for old in (self._k, self._v):
             # Zeros: a shape-stable forward reads past the fill mark (masked, weight 0), and

@@ -13,7 +13,7 @@ import torch
 
 from agentspec.targets import attention
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.kv_cache import GrowingLayer, new_cache, reusable_layers
+from agentspec.targets.kv_cache import GrowingLayer, StepPlan, new_cache, reusable_layers
 from agentspec.targets.prefix_cache import PrefixCache
 from tests.conftest import TINY_VOCAB
 
@@ -169,6 +169,30 @@ def test_growing_layer_capacity_stops_at_the_context_window() -> None:
     assert layer.capacity == 300  # not 384: the model never holds more
     layer.update(y, y)  # past the window: still appended (the target refuses first)
     assert layer.get_seq_length() == 320 and layer.capacity == 320
+
+
+def test_aligned_growth_keeps_whole_buffers_contiguous() -> None:
+    """Under an alignment a buffer grows to exactly the need rounded up to it, so a forward
+    attending the aligned length reads one contiguous block (what keeps PyTorch's bf16
+    batched product from copying the keys first); crops keep the buffer."""
+    plan = StepPlan()
+    plan.align = 64
+    layer = GrowingLayer(max_positions=1000, plan=plan)
+    x = torch.randn(1, 2, 50, 4)
+    layer.update(x, x)
+    assert layer.capacity == 64
+    plan.attend = 64
+    keys, values = layer.update(x[..., :10, :], x[..., :10, :])  # needs 60, attends 64
+    assert layer.capacity == 64 and keys.is_contiguous() and values.is_contiguous()
+    plan.attend = 128
+    keys, _ = layer.update(x[..., :10, :], x[..., :10, :])  # crosses 64: grows to 128
+    assert layer.capacity == 128 and keys.shape[-2] == 128 and keys.is_contiguous()
+    assert torch.equal(keys[..., :50, :], x) and not keys[..., 70:, :].any()
+    layer.crop(-20)
+    plan.clear()
+    assert plan.align == 64  # the alignment outlives a forward's plan
+    layer.update(x, x)  # 100 positions: within the buffer
+    assert layer.capacity == 128 and layer.get_seq_length() == 100
 
 
 def test_new_cache_keeps_sliding_layers_and_says_what_is_reusable() -> None:

@@ -110,6 +110,34 @@ def test_stable_logits_match_each_other_row_by_row(flat_bf16: torch.nn.Module) -
         assert _blocks_vs_one_by_one(target, k), k
 
 
+def test_forwards_attend_whole_aligned_buffers_with_the_same_bits(
+        flat_bf16: torch.nn.Module) -> None:
+    """Across an alignment boundary (512 positions on the CPU) the cache grows to a whole
+    aligned block and later forwards attend all of it, one block more than they need: a
+    row's logits stay the bits it gets scored one position per forward."""
+    target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None,
+                      TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16))
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, VOCAB) for _ in range(500)]
+    cont = [rng.randrange(2, VOCAB) for _ in range(30)]
+    target.prefill(prompt)
+    one = torch.cat([target.score([t]) for t in cont])  # [30, V]
+    kv = target.kv
+    seen: list[int] = []
+    real = kv.stable_call
+    kv.stable_call = lambda ids, start, attend, **kw: seen.append(attend) or real(  # type: ignore[method-assign]
+        ids, start, attend, **kw)
+    target.prefill(prompt)
+    first = target.score(cont[:16])  # 500..515: the buffers grow to 1024
+    capacity = kv.cache.layers[0].capacity
+    target.kv.crop(10)  # back to 506 positions: a rejected tail
+    rest = torch.cat([target.score(cont[6 + i : 7 + i]) for i in range(24)])
+    kv.stable_call = real  # type: ignore[method-assign]
+    assert capacity == 1024
+    assert seen[0] == 1024 and seen[1] == 1024  # 507 would need 512; the buffer is 1024
+    assert torch.equal(first[:6], one[:6]) and torch.equal(rest, one[6:])
+
+
 def test_graph_body_equals_eager_step(flat_bf16: torch.nn.Module) -> None:
     """The step a CUDA graph records (keys written at device-side slots, the fill mark
     advanced by the caller) gives the eager stable step's logits and leaves the same
