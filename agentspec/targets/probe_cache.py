@@ -58,7 +58,7 @@ _DIGITS = 10  # digest bytes of the extra key (20 hex digits)
 #: The modules whose code decides what the probes find (the products, attention, the
 #: cache's forwards, the probes themselves): their source is part of the key, so a new
 #: agentspec whose kernels changed probes again.
-_PROBED_CODE = ("attention", "int8", "kv", "linear", "stable", "w8a8")
+_PROBED_CODE = ("attention", "decoder", "int8", "kv", "kv_cache", "linear", "stable", "w8a8")
 
 
 def _code_digest(h: Any) -> None:
