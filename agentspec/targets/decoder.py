@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from agentspec.targets.attention import ATTENTION_NAME, stable_attention
+from agentspec.targets.int8 import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm.forward``, op for op: statistics in fp32, the weight
-    applied after rounding back. ``[rows, H]`` -> ``[rows, H]``."""
+    applied after rounding back. ``[1, rows, H]`` -> ``[1, rows, H]``."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(x.dtype)
@@ -72,12 +73,21 @@ class DirectDecoder:
         body = model.model
         cfg = model.config
         heads = int(cfg.num_attention_heads)
+        self.heads = heads
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
         self.norm = body.norm
         self.head = model.lm_head
         self.layers = list(body.layers)
+        # int8 q/k/v projections as one product per layer: one kernel call instead of
+        # three, the same bits per column (a copy of those weights: ~1 % of the model's).
+        self.qkv: list[Int8Linear | None] = []
+        for layer in self.layers:
+            parts = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
+            self.qkv.append(Int8Linear.concat(parts)
+                            if all(type(p) is Int8Linear for p in parts) else None)
         self.checked = False
         self.failed: str | None = None
         self.steps = 0
@@ -133,14 +143,23 @@ class DirectDecoder:
         x = self.embed(ids)  # [1, rows, H]
         cos, sin = self.rotary(x, pos)  # [1, rows, d] each, x's dtype
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, rows, d]
+        qk_heads = self.heads + self.kv_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = _rms_norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(1, rows, -1, d).transpose(1, 2)  # [1, heads, rows, d]
-            k = attn.k_proj(h).view(1, rows, -1, d).transpose(1, 2)  # [1, kv, rows, d]
-            v = attn.v_proj(h).view(1, rows, -1, d).transpose(1, 2)
-            keys, values = cache.update(_rotate(k, cos, sin), v, i)  # [1, kv, attend, d]
-            o = stable_attention(_rotate(q, cos, sin), keys, values, mask, attn.scaling)
+            qkv = self.qkv[i]
+            if qkv is not None:  # [1, heads + 2 kv, rows, d]
+                y = qkv(h).view(1, rows, -1, d).transpose(1, 2)
+                qk, v = y[:, :qk_heads], y[:, qk_heads:]
+            else:
+                q = attn.q_proj(h).view(1, rows, -1, d).transpose(1, 2)  # [1, heads, rows, d]
+                k = attn.k_proj(h).view(1, rows, -1, d).transpose(1, 2)  # [1, kv, rows, d]
+                v = attn.v_proj(h).view(1, rows, -1, d).transpose(1, 2)
+                qk = torch.cat((q, k), dim=1)
+            # Queries and keys rotated together: elementwise, so each gets its own bits.
+            qk = _rotate(qk, cos, sin)  # [1, heads + kv, rows, d]
+            keys, values = cache.update(qk[:, self.heads :], v, i)  # [1, kv, attend, d]
+            o = stable_attention(qk[:, : self.heads], keys, values, mask, attn.scaling)
             x = x + attn.o_proj(o.reshape(1, rows, -1))  # o: [1, rows, heads, d]
             mlp = layer.mlp
             h = _rms_norm(layer.post_attention_layernorm, x)

@@ -67,6 +67,25 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else
                              bias.detach().to(torch.bfloat16))
 
+    @classmethod
+    def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
+        """One layer whose outputs are ``parts``' side by side (their int8 weights, scales
+        and biases stacked, not quantized again): the kernel computes each output column
+        on its own, so each part's columns are the bits its own product gives."""
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ConfigError("concat needs int8 layers of one input width")
+        if len({p.bias is None for p in parts}) != 1:
+            raise ConfigError("concat needs int8 layers that all have a bias or none")
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features = parts[0].in_features
+        out.out_features = sum(p.out_features for p in parts)
+        out.register_buffer("qweight", torch.cat([p.qweight for p in parts]))  # [out, in]
+        out.register_buffer("scales", torch.cat([p.scales for p in parts]))  # [out]
+        biases = [p.bias for p in parts if p.bias is not None]
+        out.register_buffer("bias", torch.cat(biases) if biases else None)
+        return out
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weights (bf16, ``[out, in]``), made on each call: what a prefill

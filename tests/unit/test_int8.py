@@ -134,3 +134,23 @@ def test_dequantized_weights_are_the_rounded_exact_products() -> None:
     q = Int8Linear(torch.randn(300, 200) * 0.05, None)
     exact = (q.qweight.double() * q.scales.double()[:, None]).to(torch.bfloat16)
     assert torch.equal(q.weight, exact)
+
+
+def test_concatenated_layers_give_each_part_its_own_bits() -> None:
+    """The direct decode step multiplies q, k and v as one product: each part's columns
+    must be the bits its own layer gives, over every decode row count."""
+    torch.manual_seed(5)
+    parts = [Int8Linear(torch.randn(n, 64), torch.randn(n)) for n in (64, 32, 32)]
+    both = Int8Linear.concat(parts)
+    assert (both.in_features, both.out_features) == (64, 128)
+    token = STABLE_STEP.set(True)
+    try:
+        for rows in (1, 2, 3, 5, 8, 17):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            assert torch.equal(both(x), torch.cat([p(x) for p in parts], dim=-1)), rows
+    finally:
+        STABLE_STEP.reset(token)
+    with pytest.raises(ConfigError, match="input width"):
+        Int8Linear.concat([parts[0], Int8Linear(torch.randn(8, 32), None)])
+    with pytest.raises(ConfigError, match="bias"):
+        Int8Linear.concat([parts[0], Int8Linear(torch.randn(8, 64), None)])
