@@ -24,7 +24,7 @@ from agentspec.errors import ConfigError
 from agentspec.targets import costs
 from agentspec.targets.cost_curves import CostCurves, FormsProbe, Probe
 from agentspec.targets.costs import Curve
-from agentspec.targets.fingerprint import module_fingerprint
+from agentspec.targets.fingerprint import forward_code, module_fingerprint
 from agentspec.targets.kv import ModelKV
 from agentspec.targets.live_cost import LiveCost
 
@@ -49,12 +49,14 @@ class Scratchpad(Protocol):
 
 def cost_key(name: str, model: Any, dtype: str, device: str) -> str:
     """The cost file's name: model (name and a fingerprint of its weights, so two models of
-    one name never share curves), dtype, device and machine."""
+    one name never share curves), dtype, device, machine and the forwards' code (curves
+    timed on an older agentspec's forwards would misprice this one's)."""
     machine = f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}thr"
     if device == "cuda":
         machine = torch.cuda.get_device_name().replace(" ", "_")
     fingerprint = f"{name}-{module_fingerprint(model)}"
-    return f"{fingerprint}-{dtype}-{device}-{machine}".replace("/", "_")
+    code = forward_code()[:8]
+    return f"{fingerprint}-{dtype}-{device}-{machine}-{code}".replace("/", "_")
 
 
 class CostMeter:

@@ -1,5 +1,6 @@
 """A short, cheap fingerprint of a model's weights: what keys files that are only valid for
-one model (prefix KV on disk, measured cost curves).
+one model (prefix KV on disk, measured cost curves); and a digest of the forwards' code
+(:func:`forward_code`), for files measured from them.
 
 A model's name is not enough: two folders both called ``final`` (``/a/final``, ``/b/final``)
 or new weights written over an old folder would share files, and KV computed by one model
@@ -21,6 +22,7 @@ needs two different models to agree on every sampled byte.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -111,6 +113,33 @@ def hash_tensors(h: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
                 h.update(sample.view(torch.uint8).numpy().tobytes())
             except (RuntimeError, TypeError):  # a dtype without a byte view (quantized)
                 h.update(repr(sample.tolist()).encode())
+
+
+#: The modules whose code decides what a forward computes and what it costs (the products,
+#: attention, the cache and its forwards, the direct step, the stable shapes): their source
+#: keys the files measured from forwards (cost curves, probe results), so an agentspec
+#: whose forwards changed measures again rather than reading another code's numbers.
+FORWARD_CODE = ("attention", "decoder", "int8", "kv", "kv_cache", "linear", "stable", "w8a8")
+
+
+@functools.lru_cache(maxsize=1)
+def forward_code() -> str:
+    """A digest of :data:`FORWARD_CODE`'s sources (20 hex digits; read once per process).
+    An installation without sources hashes the package's version instead."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("agentspec")
+    except PackageNotFoundError:
+        release = "unknown"
+    h = hashlib.blake2b(b"agentspec-forward-code-v1\0", digest_size=_DIGITS)
+    here = Path(__file__).resolve().parent
+    for name in FORWARD_CODE:
+        try:
+            h.update((here / f"{name}.py").read_bytes())
+        except OSError:
+            h.update(f"{name}-{release}".encode())
+    return h.hexdigest()
 
 
 def cpuinfo(field: str) -> str:

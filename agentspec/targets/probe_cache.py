@@ -40,7 +40,7 @@ import torch
 
 from agentspec.models import agentspec_home
 from agentspec.targets.costs import read_file, write_file
-from agentspec.targets.fingerprint import cpuinfo, hash_tensors
+from agentspec.targets.fingerprint import cpuinfo, forward_code, hash_tensors
 
 __all__ = ["ProbeCache", "is_bool", "is_rows", "probe_key", "probed"]
 
@@ -55,21 +55,6 @@ PROBE_VERSION = 2
 _DIGITS = 10  # digest bytes of the extra key (20 hex digits)
 
 
-#: The modules whose code decides what the probes find (the products, attention, the
-#: cache's forwards, the probes themselves): their source is part of the key, so a new
-#: agentspec whose kernels changed probes again.
-_PROBED_CODE = ("attention", "decoder", "int8", "kv", "kv_cache", "linear", "stable", "w8a8")
-
-
-def _code_digest(h: Any) -> None:
-    here = Path(__file__).resolve().parent
-    for name in _PROBED_CODE:
-        try:
-            h.update((here / f"{name}.py").read_bytes())
-        except OSError:  # an installation without sources: the version stands in
-            h.update(f"{name}-v{PROBE_VERSION}".encode())
-
-
 def probe_key(cost_file_key: str, model: Any) -> str:
     """The probe file's name: the cost file's key (model, precision, device, machine) and a
     digest of the model's buffers, the torch build and the CPU (module doc).
@@ -82,7 +67,7 @@ def probe_key(cost_file_key: str, model: Any) -> str:
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     h.update(f"{torch.__version__}\0{torch.version.git_version}\0{capability}\0"
              f"{cpuinfo('model name') or platform.processor()}\0".encode())
-    _code_digest(h)
+    h.update(forward_code().encode())  # the kernels and forwards the probes exercise
     if isinstance(model, torch.nn.Module):  # int8 layers keep their weights here
         hash_tensors(h, model.named_buffers())
     return f"{cost_file_key}-{h.hexdigest()}"

@@ -133,3 +133,28 @@ def test_a_second_load_reads_the_probes_instead_of_running_them(
     save(2)  # new weights at the same path
     load()
     assert len(calls) == 6
+
+
+def test_cost_and_probe_files_follow_the_forwards_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Curves timed, or kernels probed, on other forwards' code are not read as this
+    code's: the digest of the forwards' sources is part of both keys."""
+    from agentspec.targets import fingerprint
+    from agentspec.targets.cost_meter import cost_key
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    ours = fingerprint.forward_code()
+    key = cost_key("tiny", model, "int8", "cpu")
+    probes = probe_key(key, model)
+    assert key.endswith(ours[:8]) and probe_key(key, model) == probes
+    try:
+        fingerprint.forward_code.cache_clear()
+        monkeypatch.setattr(fingerprint, "FORWARD_CODE", (*fingerprint.FORWARD_CODE[:-1],
+                                                          "no_such_module"))
+        other = fingerprint.forward_code()
+        assert other != ours
+        assert cost_key("tiny", model, "int8", "cpu") != key
+        assert probe_key(key, model) != probes  # the same cost key, other code
+    finally:
+        fingerprint.forward_code.cache_clear()
