@@ -2,17 +2,21 @@
 
 A CPU decode step of a small model is partly host work. transformers' forward wraps each
 of a Llama-style model's layers in decorators, keyword plumbing, output capture, a mask
-builder and a generic cache interface; on SmolLM2-135M in int8 that wrapping was ~3 ms of
-a ~24 ms one-row step, on Qwen2.5-Coder-0.5B ~3 ms of ~47 ms (``docs/cpu_step.md``).
+builder and a generic cache interface, a fixed cost per forward that is a large share of a
+small model's step (``docs/cpu_step.md`` has the measurements).
+
 :class:`DirectDecoder` runs the shape-stable decode forward of such a model as one plain
 loop over its layers that calls the model's own modules (norms, the projections whatever
 their kind: fp32, bf16, int8 or w8a8, the rotary embedding, the MLP's activation, the
 final norm and the output layer) and :func:`~agentspec.targets.attention.stable_attention`
 (what the registered attention function runs for these forwards anyway), in transformers'
-order and dtypes. So its logits are meant to be transformers' bits, and its keys and
-values go through the cache's own ``update``.
+order and dtypes, so its logits are meant to be transformers' bits; its keys and values
+go through the cache's own ``update``. Where q, k and v are int8 layers they run as one
+product (:meth:`~agentspec.targets.int8.Int8Linear.concat`: each column is computed on
+its own, so each part keeps its bits), and queries and keys are rotated together
+(elementwise, the same bits).
 
-Meant is not checked: the first step a target runs with it is also run through
+That is not taken on trust: the first step a target runs with it is also run through
 transformers, and unless logits, keys and values are the same bits the decoder is dropped
 for the life of the target, with a warning (the output is the same either way, only
 slower). Models outside the family (other layer layouts, sliding windows, query/key norms,
