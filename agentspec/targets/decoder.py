@@ -73,7 +73,6 @@ class DirectDecoder:
     """
 
     def __init__(self, model: Any) -> None:
-        self.model = model
         body = model.model
         cfg = model.config
         heads = int(cfg.num_attention_heads)

@@ -273,17 +273,17 @@ class ModelKV:
         if device_slots:
             plan.slots, plan.defer = pos[0], True
         decoder = self.decoder
-        direct = (decoder is not None and decoder.usable and not device_slots
-                  and self.cache is not None
-                  and len(self._growing_layers()) == len(self.cache.layers))
+        if decoder is not None and (not decoder.usable or device_slots or self.cache is None
+                                    or len(self._growing_layers()) != len(self.cache.layers)):
+            decoder = None  # transformers runs this step
         token = STABLE_STEP.set(True)
         try:
             with torch.inference_mode():
-                if direct and decoder is not None and decoder.checked:
+                if decoder is None:
+                    return self._hf_call(ids, pos, mask)
+                if decoder.checked:
                     return decoder.forward(ids, pos, mask, self.cache)
-                if direct and decoder is not None:
-                    return self._checked_direct(decoder, ids, pos, mask, real, attend)
-                return self._hf_call(ids, pos, mask)
+                return self._checked_direct(decoder, ids, pos, mask, real, attend)
         finally:
             plan.clear()
             STABLE_STEP.reset(token)
@@ -306,20 +306,19 @@ class ModelKV:
         except Exception as exc:  # any failure means: not for this model
             decoder.drop(f"{type(exc).__name__}: {exc}")
             mine = None
-        written = [(layer._k[..., start : start + rows, :].clone(),  # [1, kv, rows, d]
-                    layer._v[..., start : start + rows, :].clone())
-                   for layer in layers if layer._k is not None and layer._v is not None]
+        written = []  # per layer, the rows' keys and values ([1, kv, rows, d]), padding too
+        if mine is not None:
+            written = [tuple(t.clone() for t in layer.slots(start, rows)) for layer in layers]
         for layer in layers:
             layer.set_filled(start)
         self.plan.real, self.plan.attend = real, attend
         ref = self._hf_call(ids, pos, mask)
         if mine is None:
             return ref
-        same = len(written) == len(layers) and torch.equal(mine, ref) and all(
-            layer._k is not None and layer._v is not None
-            and torch.equal(k, layer._k[..., start : start + rows, :])
-            and torch.equal(v, layer._v[..., start : start + rows, :])
-            for layer, (k, v) in zip(layers, written, strict=False))
+        same = torch.equal(mine, ref) and all(
+            torch.equal(k, ref_k) and torch.equal(v, ref_v)
+            for (k, v), (ref_k, ref_v) in zip(written, (layer.slots(start, rows)
+                                                        for layer in layers), strict=True))
         if same:
             decoder.checked = True
         else:

@@ -163,6 +163,13 @@ class GrowingLayer(DynamicLayer):
             return self._k[..., : plan.attend, :], self._v[..., : plan.attend, :]
         return self._publish()
 
+    def slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at positions ``start .. start + n`` of the buffers, filled or
+        not (a padded forward's rows past the fill mark too): views ``[B, kv_heads, n, d]``."""
+        if self._k is None or self._v is None:
+            raise ValueError("slots() of a layer that holds no buffers yet")
+        return self._k[..., start : start + n, :], self._v[..., start : start + n, :]
+
     def set_filled(self, n: int) -> None:
         """Set the fill mark to ``n`` positions (after a forward with a deferred plan)."""
         self._n = n
