@@ -9,17 +9,23 @@ and verifying such a draft whole costs several plain steps; so a draft is verifi
 far as its expected committed tokens pay for the forward, priced at the request's context
 as the machine is loaded now.
 
-The rule. For a draft of n tokens the drafter's score s (its expected accepted length
-under the index's own frequencies) is calibrated per match-length bucket b (power-of-two
-buckets, as the drafter's own level calibration): ŷ = min(n, r_b · s) with
-r_b = (Σ y + P·r₀) / (Σ s + P) over the tenant's recent drafts of that bucket (decayed
-sums, prior P pseudo-tokens at r = r₀, a cautious quarter), where y is a draft's
-*full-length* accepted length. The
-acceptance of the first k tokens follows the cache drafts' copy mixture of
-:func:`agentspec.payoff.policy.fit_copy_acceptance` (with probability q the whole draft is
-right, else tokens are accepted at rate β), and the gate verifies the k maximising
-(E_k + 1) / c(k + 1, L), or nothing (plain decoding, 1 / c(1, L)) when that is better.
+The rule. What a draft is worth is how far into it the target follows it. For each tenant
+the gate learns, per match-length bucket b (power-of-two buckets, as the drafter's own level
+calibration), the conditional acceptance p_b(j) of draft position j: of the tenant's recent
+drafts of that bucket that had a j-th token and were followed to j − 1, the share followed
+to j (decayed counts, position groups 1, 2, 3-4, 5-8, … sharing counts:
+:class:`~agentspec.payoff.estimators.DecayedSurvival`). Each bucket's counts are shrunk to
+the tenant's pooled ones (P pseudo-drafts), and those to a prior p₀(j) = 1 − (1 − p₁)/j
+(p₁ = ``first_rate``: a first token is a coin toss; a copy that survives its first tokens
+tends to run on). Then P(y ≥ j) = Π_{i≤j} p_b(i), E_k = Σ_{j≤k} P(y ≥ j), and the gate
+verifies the k maximising (E_k + 1) / c(k + 1, L), or nothing (plain decoding, 1 / c(1, L))
+when that is better. A tree draft's E_k runs to the depth its first k nodes reach.
 Lossless either way: the gate only chooses which draft tokens get verified.
+
+Why survival and not a share of the drafter's score: on agent logs the share of the score
+that drafts realise falls as the score grows (long matches that the answer leaves after a
+few tokens), so one ratio per bucket, fitted mostly on short drafts, priced the long ones as
+whole copies and verified 25-32 tokens for a handful.
 
 Labels. A draft verified whole shows its y at once; a cut or skipped one shows it in the
 tokens committed in the following steps (y is the longest root path of the draft that the
@@ -39,8 +45,8 @@ from dataclasses import dataclass
 
 from agentspec.errors import ConfigError
 from agentspec.lru import LRU
-from agentspec.payoff.estimators import DecayedRatios
-from agentspec.payoff.policy import best_length, fit_copy_acceptance
+from agentspec.payoff.estimators import DecayedSurvival
+from agentspec.payoff.policy import best_length
 from agentspec.requests import REQUESTS, Slot
 from agentspec.types import (
     ContextCost,
@@ -55,40 +61,38 @@ class GateConfig:
     """Settings of :class:`DraftGate`.
 
     Attributes:
-        miss_rate: β, the per-token acceptance rate of drafts that get refuted (HVD's
-            prior; learning it per tenant from the labels changed nothing replayed on
-            the driven SWE-agent sessions).
-        decay: Per-draft forgetting of each bucket's calibration sums (0.98: about the
-            last 50 labelled drafts of that bucket).
-        prior: Pseudo-tokens of the prior ratio (before evidence r = ``prior_ratio``).
-        prior_ratio: r before evidence: the share of the drafter's score a new tenant's
-            drafts are expected to realise. Cautious (a quarter): on open chat a new
-            tenant's first drafts are long prompt matches that the answer does not follow,
-            and verifying them whole costs several plain steps each; on copying workloads
-            the first labelled draft moves r most of the way to what the tenant realises.
+        first_rate: p₁, the prior acceptance of a draft's first token; the prior at
+            position j is 1 − (1 − p₁)/j.
+        decay: Per-draft forgetting of the counts (0.98: about the last 50 labelled drafts
+            of a bucket, and of the tenant for the pooled counts).
+        prior: Pseudo-drafts of the tenant's pooled rates in each bucket's rates.
+        pooled_prior: Pseudo-drafts of the prior in the tenant's pooled rates.
         max_tenants: Tenants whose calibration is kept (least recently used dropped).
         max_pending: Unlabelled drafts kept per request (oldest dropped).
     """
 
-    miss_rate: float = 0.5
+    first_rate: float = 0.5
     decay: float = 0.98
-    prior: float = 4.0
-    prior_ratio: float = 0.25
+    prior: float = 2.0
+    pooled_prior: float = 2.0
     max_tenants: int = 1024
     max_pending: int = 64
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.miss_rate < 1.0:
-            raise ConfigError(f"miss_rate must be in (0, 1), got {self.miss_rate!r}")
+        if not 0.0 < self.first_rate < 1.0:
+            raise ConfigError(f"first_rate must be in (0, 1), got {self.first_rate!r}")
         if not 0.0 < self.decay <= 1.0:
             raise ConfigError(f"decay must be in (0, 1], got {self.decay!r}")
-        if self.prior <= 0:
-            raise ConfigError(f"prior must be > 0, got {self.prior!r}")
-        if not 0.0 < self.prior_ratio <= 1.0:
-            raise ConfigError(f"prior_ratio must be in (0, 1], got {self.prior_ratio!r}")
+        if self.prior <= 0 or self.pooled_prior <= 0:
+            raise ConfigError(f"prior and pooled_prior must be > 0, got {self.prior!r}, "
+                              f"{self.pooled_prior!r}")
         if self.max_tenants < 1 or self.max_pending < 1:
             raise ConfigError(f"max_tenants and max_pending must be >= 1, got "
                               f"{self.max_tenants!r}, {self.max_pending!r}")
+
+    def prior_rate(self, j: int) -> float:
+        """p₀(j), the prior conditional acceptance of draft position ``j``."""
+        return 1.0 - (1.0 - self.first_rate) / j
 
 
 def bucket(match_len: int) -> int:
@@ -96,11 +100,25 @@ def bucket(match_len: int) -> int:
     return min(max(match_len, 0), 64).bit_length()
 
 
-class _Calibration(DecayedRatios[int]):
-    """One tenant's decayed sums ``[Σ y, Σ s]`` per match-length bucket (the session
-    cache's level calibration keeps the same sums: one class, one formula)."""
+#: The cell of a tenant's pooled counts (buckets are 0..7).
+POOLED = -1
+
+
+class _Calibration(DecayedSurvival[int]):
+    """One tenant's counts per match-length bucket, and pooled (:data:`POOLED`)."""
 
     __slots__ = ()
+
+    def bucket_rates(self, cell: int, length: int, config: GateConfig) -> list[float]:
+        """p_b(j) for j = 1..``length``: the bucket's counts shrunk to the pooled rates,
+        those shrunk to the prior."""
+        pooled = self.rates(POOLED, length, config.pooled_prior, config.prior_rate)
+        return self.rates(cell, length, config.prior, lambda j: pooled[j - 1])
+
+    def add(self, cell: int, label: int, depth: int, decay: float) -> None:
+        """Learn one labelled draft in its bucket and in the pooled counts."""
+        self.learn(cell, label, depth, decay)
+        self.learn(POOLED, label, depth, decay)
 
 
 @dataclass
@@ -135,16 +153,22 @@ class DraftGate:
     def _calibration(self, tenant: str) -> _Calibration:
         return self._tenants.get_or_put(tenant, _Calibration)
 
-    def length(self, draft: Draft, context: int, ratio: float) -> int:
+    def length(self, draft: Draft, context: int, rates: list[float]) -> int:
         """Draft tokens worth verifying at ``context`` cached positions (0: none), for the
-        calibration ``ratio`` r of the draft's bucket."""
+        conditional acceptance ``rates`` of positions 1, 2, … (at least the draft's depth)."""
         n = len(draft.tokens)
         if n == 0 or draft.score <= 0:
             return n  # nothing to gate, or a drafter that does not score its drafts
-        y = min(float(n), draft.score * ratio)
-        mix = fit_copy_acceptance(y, n, self.config.miss_rate)
+        reach = _reach(draft)  # reach[k - 1]: the depth the first k nodes reach
+        if len(rates) < reach[-1]:
+            raise ConfigError(f"the gate needs a rate for each of the draft's {reach[-1]} "
+                              f"positions, got {len(rates)}")
+        survive, expected = 1.0, [0.0]  # expected[d] = E over the first d positions
+        for p in rates[: reach[-1]]:
+            survive *= p
+            expected.append(expected[-1] + survive)
         costs = [self.cost(j, context) for j in range(1, n + 2)]  # costs[j - 1] = c(j, L)
-        k, rate = best_length(mix.expected, n, lambda j: costs[j - 1])
+        k, rate = best_length(lambda j: expected[reach[j - 1]], n, lambda j: costs[j - 1])
         return k if rate > 1.0 / costs[0] else 0
 
     def cut(self, ctx: DraftContext, draft: Draft) -> Draft:
@@ -153,12 +177,12 @@ class DraftGate:
             return draft
         tenant = ctx.session.tenant if ctx.session is not None else ""
         with self._lock:
-            ratio = self._calibration(tenant).ratio(bucket(draft.match_len), self.config.prior,
-                                                   self.config.prior_ratio)
+            rates = self._calibration(tenant).bucket_rates(bucket(draft.match_len),
+                                                           _reach(draft)[-1], self.config)
             pending = self._pending.get_or_put(ctx.state_key, list)
             pending.append(_Pending(len(ctx.tokens), draft, tenant))
             del pending[: -self.config.max_pending]
-        k = self.length(draft, len(ctx.tokens), ratio)
+        k = self.length(draft, len(ctx.tokens), rates)
         if k >= len(draft.tokens):
             return draft
         return draft.truncated(k) if k else Draft(source="none", position=draft.position)
@@ -176,11 +200,25 @@ class DraftGate:
                 if label is None:
                     keep.append(p)
                     continue
-                self._calibration(p.tenant).learn(bucket(p.draft.match_len), label,
-                                                  p.draft.score, self.config.decay)
+                self._calibration(p.tenant).add(bucket(p.draft.match_len), label,
+                                                _reach(p.draft)[-1], self.config.decay)
             pending[:] = keep
 
     def finish(self, ctx: DraftContext) -> None:
         """Drop the request's unlabelled drafts (a drafter's end of request; the engine's
         end of a request drops them with the rest of its state: :mod:`agentspec.requests`)."""
         self._pending.pop(ctx.state_key)
+
+
+def _reach(draft: Draft) -> list[int]:
+    """``reach[k - 1]``: the depth the draft's first k nodes reach (a chain: k; a tree's
+    nodes come after their parents, as ``Draft.truncated`` keeps them)."""
+    parents = draft.parents
+    if parents is None:
+        return list(range(1, len(draft.tokens) + 1))
+    depth: list[int] = []
+    reach: list[int] = []
+    for i, p in enumerate(parents):
+        depth.append(1 if p < 0 else depth[p] + 1)
+        reach.append(max(depth[i], reach[-1] if reach else 0))
+    return reach

@@ -1,24 +1,34 @@
-"""Decayed ratio estimates per cell: how much of a draft score the target really accepts.
+"""Decayed estimates per cell of what the target accepts of cache drafts.
 
-Why. Two parts calibrate a cache draft's score s (its index's expected accepted length)
-against what the target accepted, y, per cell (a match-length bucket, and for the session
-cache also the history level): the draft gate (:mod:`agentspec.drafters.gate`, per tenant,
-from full-length labels) and the session cache's per-level calibration
-(:class:`agentspec.drafters.suffix.levels.Calibration`, from every candidate of each step).
-Both keep decayed sums and read the ratio with pseudo-counts at a prior ratio, so the two
-share this one class and its one floating-point formula:
+:class:`DecayedRatios`: how much of a draft score s (its index's expected accepted
+length) the target really accepts, y, per cell: the session cache's per-level calibration
+(:class:`agentspec.drafters.suffix.levels.Calibration`, from every candidate of each step)
+keeps decayed sums and reads the ratio with pseudo-counts at a prior ratio:
 
     Σy ← Σy·d + y,  Σs ← Σs·d + s,  r = (Σy + P·r₀) / (Σs + P).
 
 A cell never learned from reads as empty sums (r = r₀), and reading never creates a cell.
+
+:class:`DecayedSurvival`: how far into a draft the target follows it, position by position
+(the draft gate's model, :mod:`agentspec.drafters.gate`). A draft whose full-length label is
+y (its tokens the target followed) was *at risk* at position j when it had a j-th token and
+y ≥ j − 1, and *survived* it when y ≥ j. Per cell and position group g(j) (1, 2, 3-4, 5-8,
+…: later positions are rarer, so they share counts) it keeps decayed counts A and S, and
+reads the conditional acceptance at j with pseudo-counts at a prior rate p₀(j):
+
+    p(j) = (S_g + P·p₀(j)) / (A_g + P),   P(y ≥ j) = Π_{i ≤ j} p(i).
+
+Why not a ratio of the score: on agent logs the realised share of a draft's score falls as
+the score grows (long matches that the answer leaves after a few tokens), so one ratio per
+cell, fitted mostly on short drafts, prices the long ones as copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["DecayedRatios"]
+__all__ = ["POSITION_GROUPS", "DecayedRatios", "DecayedSurvival", "position_group"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -47,3 +57,50 @@ class DecayedRatios(Generic[K]):
         st = self.sums.setdefault(cell, [0.0, 0.0])
         st[0] = st[0] * decay + y
         st[1] = st[1] * decay + s
+
+
+#: Position groups of :class:`DecayedSurvival`: 1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, 65+.
+POSITION_GROUPS = 8
+
+
+def position_group(j: int) -> int:
+    """The count group of draft position ``j`` (1-based): ⌈log₂ j⌉, capped."""
+    return min((j - 1).bit_length(), POSITION_GROUPS - 1)
+
+
+class DecayedSurvival(Generic[K]):
+    """Decayed at-risk and survival counts per cell and position group (module doc).
+
+    Attributes:
+        counts: Cell -> ``[A_g for each group, S_g for each group]`` (cells learned from
+            only).
+    """
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[K, list[float]] = {}
+
+    def rates(self, cell: K, length: int, prior: float,
+              prior_rate: Callable[[int], float]) -> list[float]:
+        """p(j) for j = 1..``length`` in ``cell``: ``prior`` P pseudo-drafts at
+        ``prior_rate(j)`` (a cell never learned from: the prior's rates)."""
+        c = self.counts.get(cell)
+        out = []
+        for j in range(1, length + 1):
+            g = position_group(j)
+            at, ok = (c[g], c[POSITION_GROUPS + g]) if c is not None else (0.0, 0.0)
+            out.append((ok + prior * prior_rate(j)) / (at + prior))
+        return out
+
+    def learn(self, cell: K, label: int, depth: int, decay: float) -> None:
+        """One draft of ``cell``, ``depth`` tokens deep, the target following ``label`` of
+        them; older drafts weigh ``decay`` less."""
+        c = self.counts.setdefault(cell, [0.0] * (2 * POSITION_GROUPS))
+        for i in range(len(c)):
+            c[i] *= decay
+        for j in range(1, min(depth, label + 1) + 1):  # at risk: y >= j - 1
+            g = position_group(j)
+            c[g] += 1.0
+            if label >= j:
+                c[POSITION_GROUPS + g] += 1.0

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agentspec.drafters.gate import DraftGate, GateConfig, bucket
+from agentspec.drafters.gate import POOLED, DraftGate, GateConfig, _reach, bucket
 from agentspec.engine import SpeculativeDecoder
 from agentspec.errors import AgentSpecError
 from agentspec.factory import build_drafter, build_engine
+from agentspec.payoff.estimators import POSITION_GROUPS, DecayedSurvival, position_group
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
 from agentspec.targets import costs
 from agentspec.targets.cost_curves import CostCurves
@@ -55,17 +56,28 @@ def test_buckets_are_powers_of_two() -> None:
 
 
 def test_the_gate_prices_drafts_by_context_length() -> None:
-    draft = Draft.trusted(list(range(10, 26)), None, 2.0, 1, "suffix")  # 16 tokens, ŷ = 2
+    draft = Draft.trusted(list(range(10, 26)), None, 2.0, 1, "suffix")  # 16 tokens
+    likely = [0.5] + [0.9] * 15  # a coin-toss first token, then a copy that mostly runs on
     gate = DraftGate(steep)
-    assert gate.length(draft, 100, 1.0) == 16  # short context: the whole draft is cheap
-    assert gate.length(draft, 8000, 1.0) < 16  # long context: cut or skipped
-    assert DraftGate(flat).length(draft, 8000, 1.0) == 16
-    sure = Draft.trusted(list(range(10, 26)), None, 16.0, 40, "suffix")  # ŷ = n: a copy
-    assert gate.length(sure, 8000, 1.0) == 16
+    assert gate.length(draft, 100, likely) == 16  # short context: the whole draft is cheap
+    assert 0 < gate.length(draft, 8000, likely) < 16  # long context: cut
+    assert DraftGate(flat).length(draft, 8000, likely) == 16
+    assert gate.length(draft, 8000, [1.0] * 16) == 16  # a sure copy: verified whole
     hopeless = Draft.trusted([3, 4, 5, 6], None, 0.05, 1, "suffix")
-    assert gate.length(hopeless, 8000, 1.0) == 0
+    assert gate.length(hopeless, 8000, [0.05] * 4) == 0
     unscored = Draft([3, 4, 5, 6])  # a drafter without scores is not gated
-    assert gate.length(unscored, 8000, 1.0) == 4
+    assert gate.length(unscored, 8000, [0.05] * 4) == 4
+    with pytest.raises(AgentSpecError, match="rate for each of the draft's 4 positions"):
+        gate.length(hopeless, 8000, [0.5] * 3)
+
+
+def test_a_tree_is_priced_by_the_depth_its_nodes_reach() -> None:
+    # root -> 5 -> {6, 8}; 6 -> 7; 8 -> 9: five nodes, three deep
+    tree = Draft.trusted([5, 6, 8, 7, 9], [-1, 0, 0, 1, 2], 3.0, 8, "suffix")
+    assert _reach(tree) == [1, 2, 2, 3, 3]
+    assert _reach(Draft([1, 2, 3])) == [1, 2, 3]
+    # A sure first token and nothing after it: only the first node is worth a row.
+    assert DraftGate(steep).length(tree, 8000, [1.0, 0.0, 0.0]) == 1
 
 
 def test_calibration_learns_per_tenant_and_per_bucket() -> None:
@@ -81,30 +93,66 @@ def test_calibration_learns_per_tenant_and_per_bucket() -> None:
         gate.observe(c, VerifyResult([99], 0))  # the model went elsewhere: label 0
         gate.finish(c)
     assert gate.cut(ctx(history, "x"), draft).tokens == []
-    # Another bucket of the same tenant, and the same bucket of another tenant, are not
-    # touched by what tenant "t" learned.
-    longer = Draft.trusted(draft.tokens, None, 6.0, 16, "suffix")
-    assert len(gate.cut(ctx(history, "y"), longer).tokens) > 0
+    # The same bucket of another tenant is not touched by what tenant "t" learned.
     assert len(gate.cut(ctx(history, "z", tenant="other"), draft).tokens) > 0
+    # Another bucket of tenant "t" starts from the tenant's pooled rates (skipped too), and
+    # learns its own: once its drafts are followed to the end they are verified whole.
+    longer = Draft.trusted(draft.tokens, None, 6.0, 16, "suffix")
+    assert gate.cut(ctx(history, "y"), longer).tokens == []
+    gate.finish(ctx(history, "y"))
+    for i in range(4):
+        c = ctx(history, f"l{i}")
+        gate.cut(c, longer)
+        gate.observe(c, VerifyResult([*longer.tokens, 0], 8))
+        gate.finish(c)
+    assert len(gate.cut(ctx(history, "w"), longer).tokens) == 8
+    assert gate.cut(ctx(history, "x2"), draft).tokens == []  # bucket 1 still skipped
 
 
 def test_a_new_tenant_is_trusted_with_caution_until_its_drafts_prove_right() -> None:
-    """Before evidence r = prior_ratio: a new tenant's long draft is cut where a trusting
-    prior verifies it whole; once its drafts of that bucket follow, it is verified whole."""
+    """Before evidence p₀(j) = 1 − (1 − p₁)/j: a new tenant's long draft is cut where a
+    trusting prior verifies it whole; once its drafts of that bucket follow, it is verified
+    whole."""
     draft = Draft.trusted(list(range(10, 26)), None, 6.0, 4, "suffix")
-    history = list(range(100, 4100))
-    trusting = DraftGate(steep, GateConfig(prior_ratio=1.0))
+    history = list(range(100, 8100))
+    trusting = DraftGate(steep, GateConfig(first_rate=0.99))
     assert len(trusting.cut(ctx(history, "a"), draft).tokens) == 16
-    cautious = DraftGate(steep)  # the default prior ratio
-    assert cautious.config.prior_ratio < 1.0
+    cautious = DraftGate(steep)  # the default prior
     assert len(cautious.cut(ctx(history, "a"), draft).tokens) < 16
     cautious.finish(ctx(history, "a"))
-    for i in range(3):  # the tenant's drafts are right to the end: r rises towards 16/6
+    for i in range(3):  # the tenant's drafts are right to the end
         c = ctx(history, f"r{i}")
         cautious.cut(c, draft)
         cautious.observe(c, VerifyResult([*draft.tokens, 0], 16))
         cautious.finish(c)
     assert len(cautious.cut(ctx(history, "b"), draft).tokens) == 16
+
+
+def test_long_drafts_that_the_answer_leaves_early_are_cut() -> None:
+    """The case a share of the drafter's score got wrong: in one bucket, short drafts that
+    the target follows to the end (beyond their score) beside long, high-scoring ones it
+    leaves after a few tokens. A ratio of the score, fitted on both, priced the long ones as
+    copies; the gate learns where they end and verifies about that far, while a tenant whose
+    long drafts are copies keeps verifying them whole."""
+    history = list(range(100, 2100))
+    rng = random.Random(3)
+    gate = DraftGate(steep)
+
+    def teach(tenant: str, i: int, n: int, score: float, y: int) -> None:
+        draft = Draft.trusted([rng.randrange(2, 90) for _ in range(n)], None, score, 12,
+                              "suffix")
+        c = ctx(history, f"{tenant}{i}", tenant=tenant)
+        gate.cut(c, draft)
+        gate.observe(c, VerifyResult([*draft.tokens[:y], 99], y))
+        gate.finish(c)
+
+    for i in range(40):
+        teach("leaves", 2 * i, 3, 1.0, 3)  # short and sure
+        teach("leaves", 2 * i + 1, 32, 30.0, rng.randrange(1, 5))  # long, left early
+        teach("copies", i, 32, 30.0, 32)
+    draft = Draft.trusted(list(range(10, 42)), None, 30.0, 12, "suffix")
+    assert 0 < len(gate.cut(ctx(history, "a", tenant="leaves"), draft).tokens) <= 6
+    assert len(gate.cut(ctx(history, "b", tenant="copies"), draft).tokens) == 32
 
 
 def test_a_cut_draft_is_labelled_from_later_steps() -> None:
@@ -118,29 +166,53 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     later = ctx([*history, 7], "r")
     gate.observe(later, VerifyResult([8, 0], 1))  # 7, 8, then 0: the draft followed 2
     assert not gate._pending.get(("id", "r"))
-    y, s = gate._tenants["t"].sums[bucket(1)]
-    assert (y, s) == (2.0, 4.0)
+    # At risk at positions 1, 2, 3 (groups 0, 1, 2), followed at 1 and 2.
+    at_risk, survived = [1.0, 1.0, 1.0, 0, 0, 0, 0, 0], [1.0, 1.0, 0, 0, 0, 0, 0, 0]
+    assert gate._tenants["t"].counts[bucket(1)] == at_risk + survived
+    assert gate._tenants["t"].counts[POOLED] == at_risk + survived
     gate.cut(later, draft)
     gate.finish(later)
     assert ("id", "r") not in gate._pending
 
 
-def test_the_gate_and_the_session_cache_calibrate_with_one_formula() -> None:
-    """The gate's per-bucket calibration and the session cache's per-level one are one
-    class (agentspec.payoff.estimators.DecayedRatios): the numbers are bit for bit those of
-    the formula each used to write out, Σ ← Σ·d + v and (Σy + P·r₀) / (Σs + P)."""
-    from agentspec.drafters.gate import _Calibration
+def test_survival_counts_follow_their_formula() -> None:
+    """DecayedSurvival's rates are bit for bit the decayed counts written out:
+    A ← A·d + [at risk], S ← S·d + [followed], p(j) = (S + P·p₀(j)) / (A + P)."""
+    rng = random.Random(7)
+    est: DecayedSurvival[int] = DecayedSurvival()
+    at = [0.0] * POSITION_GROUPS
+    ok = [0.0] * POSITION_GROUPS
+    for _ in range(300):
+        depth = rng.randrange(1, 70)
+        label = rng.randrange(0, depth + 1)
+        est.learn(3, label, depth, 0.98)
+        at = [a * 0.98 for a in at]
+        ok = [o * 0.98 for o in ok]
+        for j in range(1, depth + 1):
+            if label >= j - 1:
+                at[position_group(j)] += 1.0
+            if label >= j:
+                ok[position_group(j)] += 1.0
+        got = est.rates(3, 70, 2.0, lambda j: 1.0 - 0.5 / j)
+        want = [(ok[position_group(j)] + 2.0 * (1.0 - 0.5 / j)) / (at[position_group(j)] + 2.0)
+                for j in range(1, 71)]
+        assert got == want
+    assert [position_group(j) for j in (1, 2, 3, 4, 5, 8, 9, 64, 65, 500)] == \
+        [0, 1, 2, 2, 3, 3, 4, 6, 7, 7]
+    assert est.rates(4, 2, 2.0, lambda j: 0.25) == [0.25, 0.25]  # never learned: the prior
+    assert 4 not in est.counts  # reading never creates a cell
+
+
+def test_level_calibration_is_a_decayed_ratio() -> None:
+    """The session cache's per-level calibration is DecayedRatios' formula, bit for bit:
+    Σ ← Σ·d + v and (Σy + P·r₀) / (Σs + P)."""
     from agentspec.drafters.suffix.index import Speculation
     from agentspec.drafters.suffix.levels import Calibration
 
     rng = random.Random(7)
-    gate, level = _Calibration(), Calibration()
-    y_sum = s_sum = a_sum = c_sum = 0.0
+    level = Calibration()
+    a_sum = c_sum = 0.0
     for _ in range(500):
-        label, score = rng.randrange(0, 20), rng.uniform(0.0, 12.0)
-        gate.learn(bucket(3), label, score, 0.98)
-        y_sum, s_sum = y_sum * 0.98 + label, s_sum * 0.98 + score
-        assert gate.ratio(bucket(3), 4.0, 0.25) == (y_sum + 4.0 * 0.25) / (s_sum + 4.0)
         toks = [rng.randrange(5) for _ in range(6)]
         spec = Speculation(toks, 3, rng.uniform(0.0, 6.0))
         committed = [rng.randrange(5) for _ in range(6)]
@@ -148,12 +220,12 @@ def test_the_gate_and_the_session_cache_calibrate_with_one_formula() -> None:
         n = next((i for i, (a, b) in enumerate(zip(toks, committed, strict=True)) if a != b), 6)
         a_sum, c_sum = a_sum * 0.99 + n, c_sum * 0.99 + spec.score
         assert level.ratio("session", 3) == (a_sum + 4.0) / (c_sum + 4.0)
-    assert gate.ratio(bucket(40), 4.0, 0.25) == 0.25 and level.ratio("agent", 3) == 1.0
+    assert level.ratio("agent", 3) == 1.0
 
 
 def test_gate_config_is_checked() -> None:
-    for bad in ({"miss_rate": 1.0}, {"decay": 0.0}, {"prior": 0.0}, {"max_tenants": 0},
-                {"prior_ratio": 0.0}, {"prior_ratio": 1.5}):
+    for bad in ({"first_rate": 1.0}, {"first_rate": 0.0}, {"decay": 0.0}, {"prior": 0.0},
+                {"pooled_prior": -1.0}, {"max_tenants": 0}):
         with pytest.raises(AgentSpecError):
             GateConfig(**bad)  # type: ignore[arg-type]
 
