@@ -38,6 +38,34 @@ LONG_CONTEXT = 4096
 
 Curve = dict[int, float]  # k -> seconds
 
+#: A measured point more than this many times the next one (or, for the last point, above
+#: the previous one scaled by the row counts) was slowed by something else: timed again.
+GLITCH = 1.5
+
+
+def glitches(curve: Mapping[int, float]) -> list[int]:
+    """The points of ``curve`` that look slowed by another process: those
+    :func:`without_glitches` lowers. A forward over fewer rows costs no more than one over
+    more (up to noise: :data:`GLITCH`), and its cost grows at most in proportion to its
+    rows (the last point, which has no point above it)."""
+    fixed = without_glitches(curve)
+    return [k for k in sorted(curve) if fixed[k] < curve[k]]
+
+
+def without_glitches(curve: Mapping[int, float]) -> Curve:
+    """``curve`` with each glitch left after timing again clamped to the bound it broke:
+    :data:`GLITCH` times the next point's cost, the last point GLITCH times the previous
+    one's scaled by the row counts (right to left, so a run of glitches is bounded by the
+    first sound point above it). A sound curve comes back unchanged."""
+    out = dict(curve)
+    points = sorted(out)
+    if len(points) > 1:
+        lo, hi = points[-2], points[-1]
+        out[hi] = min(out[hi], GLITCH * out[lo] * hi / lo)
+    for lo, hi in reversed(list(itertools.pairwise(points))):
+        out[lo] = min(out[lo], GLITCH * out[hi])
+    return out
+
 
 def interpolate(costs: Mapping[int, float], k: int) -> float:
     """c(k) from measured points: linear between them, along the last slope beyond them
@@ -91,14 +119,15 @@ def long_context(max_positions: int) -> int | None:
 
 def parse_curve(raw: Any) -> Curve | None:
     """A stored curve ``{"k": seconds}`` with every :data:`COST_POINTS` entry, positive;
-    ``None`` when absent or malformed (it is then measured again)."""
+    ``None`` when absent or malformed (it is then measured again). Glitches are clamped
+    (:func:`without_glitches`: files written before the measurement timed them again)."""
     try:
         curve = {int(k): float(v) for k, v in raw.items()}
     except (AttributeError, TypeError, ValueError):
         return None
     if set(curve) != set(COST_POINTS) or not all(v > 0 for v in curve.values()):
         return None
-    return curve
+    return without_glitches(curve)
 
 
 def read_file(path: Path) -> dict[str, Any]:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -341,3 +344,55 @@ def test_tiny_target_context_cost_uses_its_window(tiny_target, tmp_path: Path,  
             tiny_target.context_cost(0, 10)
     finally:
         tiny_target.curves, tiny_target.meter.live = saved
+
+
+def test_cost_glitches_are_found_and_clamped() -> None:
+    """A point slowed by another process (the measured 2.8 s at 24 rows beside 0.85 s at
+    32) is found; a sound curve is left alone."""
+    sound = {1: 0.042, 2: 0.052, 4: 0.058, 6: 0.113, 8: 0.120, 24: 0.272, 32: 0.340}
+    assert costs.glitches(sound) == [] and costs.without_glitches(sound) == sound
+    noisy = {1: 0.045, 4: 0.063, 6: 0.284, 8: 0.235, 16: 0.589, 24: 2.756, 32: 0.847}
+    assert costs.glitches(noisy) == [24]
+    assert costs.without_glitches(noisy)[24] == pytest.approx(1.5 * 0.847)
+    late = {1: 0.04, 16: 0.2, 24: 0.27, 32: 2.0}  # the last point: above its slope
+    assert costs.glitches(late) == [32]
+    fixed = costs.without_glitches(late)
+    assert fixed[32] == pytest.approx(1.5 * 0.27 * 32 / 24) and fixed[24] == 0.27
+    stored = {str(k): v for k, v in zip(costs.COST_POINTS, [0.045, 0.049, 0.054, 0.063, 0.284,
+                                                            0.235, 0.508, 0.589, 2.756, 0.847],
+                                       strict=True)}
+    assert costs.parse_curve(stored)[24] == pytest.approx(1.5 * 0.847)  # type: ignore[index]
+    run = {1: 0.04, 2: 0.9, 3: 0.8, 4: 0.05}  # a run of slowed points
+    assert costs.glitches(run) == [2, 3]
+    assert costs.without_glitches(run) == pytest.approx({1: 0.04, 2: 0.1125, 3: 0.075,
+                                                         4: 0.05})
+
+
+def test_the_measurement_times_a_glitch_again(tiny_target,  # type: ignore[no-untyped-def]
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A point slowed while it was timed is timed again and the lower median kept (a fake
+    clock: each forward over k rows "takes" 1 + k/10 s, the first five of 24 rows 50 s)."""
+    from agentspec.targets import cost_meter
+
+    clock = [0.0]
+    slow = [5]
+
+    class Pad:
+        def score(self, tokens: list[int]) -> None:
+            k = len(tokens)
+            if k == 24 and slow[0] > 0:
+                slow[0] -= 1
+                clock[0] += 50.0
+            else:
+                clock[0] += 1.0 + k / 10
+
+        def rollback(self, n: int) -> None:
+            pass
+
+        def scratch(self, context: int, gen: object) -> Any:
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(cost_meter, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    curve = tiny_target.meter.measure(Pad(), context=64, repeats=5)
+    assert slow[0] == 0  # the five slowed forwards all landed on the first timing of 24
+    assert curve == pytest.approx({k: 1.0 + k / 10 for k in costs.COST_POINTS})
