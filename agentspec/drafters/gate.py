@@ -25,7 +25,7 @@ Lossless either way: the gate only chooses which draft tokens get verified.
 Why survival and not a share of the drafter's score: on agent logs the share of the score
 that drafts realise falls as the score grows (long matches that the answer leaves after a
 few tokens), so one ratio per bucket, fitted mostly on short drafts, priced the long ones as
-whole copies and verified 25-32 tokens for a handful.
+whole copies (measured: ``BENCHMARKS.md`` question 15).
 
 Labels. A draft verified whole shows its y at once; a cut or skipped one shows it in the
 tokens committed in the following steps (y is the longest root path of the draft that the

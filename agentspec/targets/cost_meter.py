@@ -186,9 +186,8 @@ class CostMeter:
         A point another process slowed down is timed again (:func:`costs.glitches`: more
         than :data:`costs.GLITCH` times the next point, or the last one above its slope);
         the lower median is kept, since load only adds time. A glitch that survives is
-        clamped to that bound (:func:`costs.without_glitches`). (A curve timed while
-        something else ran once priced 24-row verifies at 10x the 32-row ones, and the
-        gate never tried them.)"""
+        clamped to that bound (:func:`costs.without_glitches`): a gate never tries the
+        verifies such a point overprices, so it would never learn otherwise."""
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.kv.vocab, (costs.COST_POINTS[-1],), generator=gen).tolist()
         self.measuring = True
