@@ -268,6 +268,14 @@ class Draft:
         whatever part of it was verified. ``None`` while ``continuation`` ends before a
         mismatch or a leaf (not known yet). The one label of every payoff estimate (the
         draft gate's, the HVD policy's calibration)."""
+        depth, decided = self.followed(continuation)
+        return depth if decided else None
+
+    def followed(self, continuation: Sequence[int]) -> tuple[int, bool]:
+        """``(depth, decided)``: how far from the root ``continuation`` follows the draft so
+        far, and whether that is final (a mismatch or a leaf reached, not the end of
+        ``continuation``). While undecided the draft has survived ``depth`` positions and
+        is still at risk at the next one (a right-censored label)."""
         parents, tokens = self.parents, self.tokens
         depth, node, n = 0, -1, len(tokens)
         while True:
@@ -276,13 +284,13 @@ class Draft:
             else:
                 children = [i for i in range(node + 1, n) if parents[i] == node]
             if not children:
-                return depth  # a leaf: the whole path was followed
+                return depth, True  # a leaf: the whole path was followed
             if depth >= len(continuation):
-                return None
+                return depth, False
             want = continuation[depth]
             node = next((i for i in children if tokens[i] == want), -2)
             if node == -2:
-                return depth
+                return depth, True
             depth += 1
 
     def first_branch(self) -> Draft:

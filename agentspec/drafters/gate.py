@@ -29,9 +29,13 @@ whole copies (measured: ``BENCHMARKS.md`` question 15).
 
 Labels. A draft verified whole shows its y at once; a cut or skipped one shows it in the
 tokens committed in the following steps (y is the longest root path of the draft that the
-committed continuation follows: :meth:`~agentspec.types.Draft.followed_length`), so
-each request keeps its drafts until their labels are known, and drops the unresolved ones
-when it ends.
+committed continuation follows: :meth:`~agentspec.types.Draft.followed`). Each request
+keeps its drafts until their labels are known, and counts each one as the committed tokens
+come: every position it is seen to survive at once, its failure when a mismatch shows it
+(right-censored at the request's end). So a gate that declines drafts learns from them
+step by step: in a new tenant whose first drafts it prices too low (a verbatim repeat of
+the last request), the next steps' drafts are priced by the copy being followed, not only
+once the whole repeat is decoded.
 
 The rule prices drafts by the measured curve, so where short verifies are cheap
 (``agentspec/targets/linear.py``) it verifies more, shorter drafts. What it saves:
@@ -115,10 +119,16 @@ class _Calibration(DecayedSurvival[int]):
         pooled = self.rates(POOLED, length, config.pooled_prior, config.prior_rate)
         return self.rates(cell, length, config.prior, lambda j: pooled[j - 1])
 
-    def add(self, cell: int, label: int, depth: int, decay: float) -> None:
-        """Learn one labelled draft in its bucket and in the pooled counts."""
-        self.learn(cell, label, depth, decay)
-        self.learn(POOLED, label, depth, decay)
+    def age(self, cell: int, decay: float) -> None:
+        """Age the bucket's and the pooled counts for one new draft."""
+        super().age(cell, decay)
+        super().age(POOLED, decay)
+
+    def note(self, cell: int, known: int, followed: int, decided: bool, depth: int) -> None:
+        """Count what the committed tokens newly show of one draft, in its bucket and
+        pooled (:meth:`DecayedSurvival.count`)."""
+        self.count(cell, known, followed, decided, depth)
+        self.count(POOLED, known, followed, decided, depth)
 
 
 @dataclass
@@ -128,6 +138,7 @@ class _Pending:
     start: int  # len(ctx.tokens) when drafted: its continuation starts there
     draft: Draft
     tenant: str
+    counted: int = -1  # positions counted so far (-1: none, its cells not aged for it yet)
 
 
 class DraftGate:
@@ -196,12 +207,16 @@ class DraftGate:
             tokens = ctx.tokens
             keep = []
             for p in pending:
-                label = p.draft.followed_length([*tokens[p.start:], *result.tokens])
-                if label is None:
+                followed, decided = p.draft.followed([*tokens[p.start:], *result.tokens])
+                calibration = self._calibration(p.tenant)
+                cell = bucket(p.draft.match_len)
+                if p.counted < 0:
+                    calibration.age(cell, self.config.decay)
+                    p.counted = 0
+                calibration.note(cell, p.counted, followed, decided, _reach(p.draft)[-1])
+                p.counted = followed
+                if not decided:
                     keep.append(p)
-                    continue
-                self._calibration(p.tenant).add(bucket(p.draft.match_len), label,
-                                                _reach(p.draft)[-1], self.config.decay)
             pending[:] = keep
 
     def finish(self, ctx: DraftContext) -> None:

@@ -18,6 +18,12 @@ reads the conditional acceptance at j with pseudo-counts at a prior rate p₀(j)
 
     p(j) = (S_g + P·p₀(j)) / (A_g + P),   P(y ≥ j) = Π_{i ≤ j} p(i).
 
+A draft can be counted as the committed tokens come (:meth:`DecayedSurvival.count`): each
+position it is seen to survive at once, its failure when a mismatch shows it. That is the
+Kaplan-Meier estimate with right-censoring: a draft still being followed when its request
+ends has counted its survivals and nothing more, and a learner that declines drafts learns
+from them step by step instead of only once a whole draft's continuation is known.
+
 Why not a ratio of the score: on agent logs the realised share of a draft's score falls as
 the score grows (long matches that the answer leaves after a few tokens), so one ratio per
 cell, fitted mostly on short drafts, prices the long ones as copies.
@@ -96,11 +102,25 @@ class DecayedSurvival(Generic[K]):
     def learn(self, cell: K, label: int, depth: int, decay: float) -> None:
         """One draft of ``cell``, ``depth`` tokens deep, the target following ``label`` of
         them; older drafts weigh ``decay`` less."""
+        self.age(cell, decay)
+        self.count(cell, 0, label, True, depth)
+
+    def age(self, cell: K, decay: float) -> None:
+        """Weigh ``cell``'s counts ``decay`` less: once per draft, when it is first counted."""
         c = self.counts.setdefault(cell, [0.0] * (2 * POSITION_GROUPS))
         for i in range(len(c)):
             c[i] *= decay
-        for j in range(1, min(depth, label + 1) + 1):  # at risk: y >= j - 1
+
+    def count(self, cell: K, known: int, followed: int, decided: bool, depth: int) -> None:
+        """What the committed tokens newly show of one draft ``depth`` tokens deep, of
+        which ``known`` positions were counted before: it survived positions ``known + 1``
+        to ``followed``; when ``decided`` (a mismatch, or the leaf) and ``followed < depth``
+        it was at risk at ``followed + 1`` and failed there. A draft counted step by step
+        (a right-censored label, then the rest) ends with the counts of :meth:`learn`."""
+        c = self.counts.setdefault(cell, [0.0] * (2 * POSITION_GROUPS))
+        for j in range(known + 1, min(followed, depth) + 1):
             g = position_group(j)
             c[g] += 1.0
-            if label >= j:
-                c[POSITION_GROUPS + g] += 1.0
+            c[POSITION_GROUPS + g] += 1.0
+        if decided and followed < depth:
+            c[position_group(followed + 1)] += 1.0

@@ -20,6 +20,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from adapters.langchain import ChatAgentSpec
+from agentspec.spec import AgentSpec, DraftingPolicy
 from workflows.workloads.datasets import data_dir, load_delegate52
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,10 @@ def test_agent_run_is_lossless_with_fewer_forwards(d52: ModuleType, tmp_path: Pa
 
 
 def test_tool_call_text_is_drafted_from_the_session_cache() -> None:
-    llm = ChatAgentSpec(store=False, max_tokens=48, return_token_ids=True)
+    # Every cache draft verified as drafted: the draft gate's choices follow the machine's
+    # load (the verify costs it measures), so a forward count under it is a timing.
+    ungated = AgentSpec(drafting=DraftingPolicy(draft_gate=False))
+    llm = ChatAgentSpec(store=False, max_tokens=48, return_token_ids=True, agent_spec=ungated)
     bound = llm.bind_tools([get_population], tool_choice="get_population")
     question = "What is the population of Paris?"
     first = bound.invoke(question, session_id="cache-a")
@@ -78,7 +82,7 @@ def test_tool_call_text_is_drafted_from_the_session_cache() -> None:
     sibling = bound.invoke(question, session_id="cache-b")
     # The same session id under another tenant sees nothing of it.
     foreign = ChatAgentSpec(store=False, max_tokens=48, return_token_ids=True,
-                            tenant="lc-other").bind_tools(
+                            tenant="lc-other", agent_spec=ungated).bind_tools(
         [get_population], tool_choice="get_population").invoke(question, session_id="cache-a")
     assert first.tool_calls or first.invalid_tool_calls  # a (forced) tool call was produced
     msgs = (first, again, sibling, foreign)

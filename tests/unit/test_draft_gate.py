@@ -166,6 +166,9 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     gate.cut(c, draft)
     gate.observe(c, VerifyResult([7], 0))  # plain step: the label is not known yet
     assert gate._pending.get(("id", "r"))
+    # ... but its first position is: it survived there (a right-censored count).
+    first = [1.0, 0, 0, 0, 0, 0, 0, 0]
+    assert gate._tenants["t"].counts[bucket(1)] == first + first
     later = ctx([*history, 7], "r")
     gate.observe(later, VerifyResult([8, 0], 1))  # 7, 8, then 0: the draft followed 2
     assert not gate._pending.get(("id", "r"))
@@ -178,17 +181,51 @@ def test_a_cut_draft_is_labelled_from_later_steps() -> None:
     assert ("id", "r") not in gate._pending
 
 
+def test_declined_drafts_teach_the_gate_within_their_request() -> None:
+    """A verbatim repeat in a new tenant on a machine where verifies cost much: the prior
+    declines its first draft, and the copy being followed, counted step by step, makes
+    the gate verify the rest within the same request (labels known only once each whole
+    draft was decided came after the repeat was decoded one token per forward)."""
+    gate = DraftGate(lambda k, context: 1.0 + 0.6 * (k - 1))
+    history = list(range(100, 400))
+    copy = list(range(10, 40))  # the 30 tokens the request answers, all in the cache
+    committed: list[int] = []
+    forwards, cuts = 0, []
+    while len(committed) < len(copy):
+        c = ctx([*history, *committed], "repeat")
+        rest = copy[len(committed):]
+        cut = gate.cut(c, Draft.trusted(rest, None, float(len(rest)), 200, "suffix"))
+        cuts.append(len(cut.tokens))
+        block = [*cut.tokens, *rest[len(cut.tokens):][:1]] or [0]
+        gate.observe(c, VerifyResult(block, len(cut.tokens)))
+        committed.extend(block)
+        forwards += 1
+    assert cuts[0] == 0  # the prior alone declines a 30-token draft at these costs
+    assert forwards <= 8, cuts
+
+
 def test_survival_counts_follow_their_formula() -> None:
     """DecayedSurvival's rates are bit for bit the decayed counts written out:
     A ← A·d + [at risk], S ← S·d + [followed], p(j) = (S + P·p₀(j)) / (A + P)."""
     rng = random.Random(7)
     est: DecayedSurvival[int] = DecayedSurvival()
+    stepwise: DecayedSurvival[int] = DecayedSurvival()  # counted as tokens come
     at = [0.0] * POSITION_GROUPS
     ok = [0.0] * POSITION_GROUPS
     for _ in range(300):
         depth = rng.randrange(1, 70)
         label = rng.randrange(0, depth + 1)
         est.learn(3, label, depth, 0.98)
+        stepwise.age(3, 0.98)
+        known = 0
+        while True:  # the committed tokens show 0-3 more positions per step
+            seen = min(label, known + rng.randrange(0, 4))
+            decided = seen == label and rng.random() < 0.5
+            stepwise.count(3, known, seen, decided, depth)
+            known = seen
+            if decided:
+                break
+        assert stepwise.counts[3] == est.counts[3]
         at = [a * 0.98 for a in at]
         ok = [o * 0.98 for o in ok]
         for j in range(1, depth + 1):
