@@ -138,6 +138,8 @@ class _Pending:
     start: int  # len(ctx.tokens) when drafted: its continuation starts there
     draft: Draft
     tenant: str
+    cell: int  # its match-length bucket
+    depth: int  # the depth it reaches (a chain: its length)
     counted: int = -1  # positions counted so far (-1: none, its cells not aged for it yet)
 
 
@@ -187,11 +189,11 @@ class DraftGate:
         if not draft.tokens:
             return draft
         tenant = ctx.session.tenant if ctx.session is not None else ""
+        cell, depth = bucket(draft.match_len), _reach(draft)[-1]
         with self._lock:
-            rates = self._calibration(tenant).bucket_rates(bucket(draft.match_len),
-                                                           _reach(draft)[-1], self.config)
+            rates = self._calibration(tenant).bucket_rates(cell, depth, self.config)
             pending = self._pending.get_or_put(ctx.state_key, list)
-            pending.append(_Pending(len(ctx.tokens), draft, tenant))
+            pending.append(_Pending(len(ctx.tokens), draft, tenant, cell, depth))
             del pending[: -self.config.max_pending]
         k = self.length(draft, len(ctx.tokens), rates)
         if k >= len(draft.tokens):
@@ -209,11 +211,10 @@ class DraftGate:
             for p in pending:
                 followed, decided = p.draft.followed([*tokens[p.start:], *result.tokens])
                 calibration = self._calibration(p.tenant)
-                cell = bucket(p.draft.match_len)
                 if p.counted < 0:
-                    calibration.age(cell, self.config.decay)
+                    calibration.age(p.cell, self.config.decay)
                     p.counted = 0
-                calibration.note(cell, p.counted, followed, decided, _reach(p.draft)[-1])
+                calibration.note(p.cell, p.counted, followed, decided, p.depth)
                 p.counted = followed
                 if not decided:
                     keep.append(p)

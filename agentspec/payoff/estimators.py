@@ -99,12 +99,6 @@ class DecayedSurvival(Generic[K]):
             out.append((ok + prior * prior_rate(j)) / (at + prior))
         return out
 
-    def learn(self, cell: K, label: int, depth: int, decay: float) -> None:
-        """One draft of ``cell``, ``depth`` tokens deep, the target following ``label`` of
-        them; older drafts weigh ``decay`` less."""
-        self.age(cell, decay)
-        self.count(cell, 0, label, True, depth)
-
     def age(self, cell: K, decay: float) -> None:
         """Weigh ``cell``'s counts ``decay`` less: once per draft, when it is first counted."""
         c = self.counts.setdefault(cell, [0.0] * (2 * POSITION_GROUPS))
@@ -116,7 +110,8 @@ class DecayedSurvival(Generic[K]):
         which ``known`` positions were counted before: it survived positions ``known + 1``
         to ``followed``; when ``decided`` (a mismatch, or the leaf) and ``followed < depth``
         it was at risk at ``followed + 1`` and failed there. A draft counted step by step
-        (a right-censored label, then the rest) ends with the counts of :meth:`learn`."""
+        (a right-censored label, then the rest) ends with the counts of one call with
+        ``known = 0`` and its final label."""
         c = self.counts.setdefault(cell, [0.0] * (2 * POSITION_GROUPS))
         for j in range(known + 1, min(followed, depth) + 1):
             g = position_group(j)

@@ -215,7 +215,8 @@ def test_survival_counts_follow_their_formula() -> None:
     for _ in range(300):
         depth = rng.randrange(1, 70)
         label = rng.randrange(0, depth + 1)
-        est.learn(3, label, depth, 0.98)
+        est.age(3, 0.98)
+        est.count(3, 0, label, True, depth)  # the whole label at once
         stepwise.age(3, 0.98)
         known = 0
         while True:  # the committed tokens show 0-3 more positions per step
