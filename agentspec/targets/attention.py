@@ -25,8 +25,10 @@ PyTorch's CPU SDPA kernel takes another branch for one or two query rows than fo
 so a row's bits would depend on how many rows share its forward, and for one query row it
 splits the keys between threads, so its bits depend on the thread count (which the live
 cost lowers on a loaded machine). These products give a row the same bits for any row
-count, any thread count, and any key length that is a multiple of 512 (tested), so a
-one-row plain step needs no padding rows.
+count, any thread count, and any key length that is a multiple of 512 (tested, and probed
+at load by :func:`~agentspec.targets.stable.attention_invariant`), so a one-row plain step
+needs no padding rows. The attention weights multiply the values in fp32: in bf16 that
+product rounded a row otherwise for some row counts (docs/cpu_step.md).
 
 A prompt's tail of :data:`SPLIT_ROWS` or more tokens fed after cached positions, in a
 reduced precision, takes :func:`split_tail_attention`: the masked kernel above is the
@@ -58,8 +60,16 @@ def stable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     returns ``[B, q, H, d]``.
 
     The ``g = H / kv_heads`` query heads sharing a key/value head are stacked as the rows
-    of one product against it (no copy of the cache per query head); the softmax runs in
-    fp32."""
+    of one product against it (no copy of the cache per query head); the softmax and the
+    product of its weights with the values run in fp32.
+
+    Why the second product is fp32: a bf16 product of ``g * q`` rows against the values
+    rounds a row differently for some row counts than for others (the library picks
+    another kernel by shape), so a verify's row could differ from the plain step's and a
+    greedy answer change under speculation (docs/cpu_step.md has the case). The fp32
+    product keeps the softmax's weights unrounded and gave every row count and thread
+    count the same bits; :func:`~agentspec.targets.stable.attention_invariant` checks
+    that at load, and a target whose check fails runs every decode forward in one shape."""
     b, h, q, d = query.shape
     kv, n = key.shape[1], key.shape[-2]
     g = h // kv
@@ -72,9 +82,9 @@ def stable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
         else:  # additive
             scores = scores + mask.float()  # [B, H, q, n]
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs.view(b, kv, g * q, n), value)  # [B, kv, g*q, d]
-    return out.view(b, h, q, d).transpose(1, 2).contiguous()
+    probs = torch.softmax(scores, dim=-1)  # [B, H, q, n] fp32
+    out = torch.matmul(probs.view(b, kv, g * q, n), value.float())  # [B, kv, g*q, d] fp32
+    return out.to(value.dtype).view(b, h, q, d).transpose(1, 2).contiguous()
 
 
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

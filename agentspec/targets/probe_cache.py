@@ -4,8 +4,10 @@ the probes.
 Why. On the CPU a quantized or bf16 target probes its own kernels when it loads: from how
 many rows a row's product stops depending on the row count
 (:func:`~agentspec.targets.stable.invariant_rows`), whether the products' bits depend on
-the thread count (:func:`~agentspec.targets.stable.thread_invariant`), and whether a
-prompt's forwards do (:func:`~agentspec.targets.stable.prompt_thread_invariant`). Together
+the thread count (:func:`~agentspec.targets.stable.thread_invariant`), whether decode
+attention's rows depend on either (:func:`~agentspec.targets.stable.attention_invariant`),
+and whether a prompt's forwards do
+(:func:`~agentspec.targets.stable.prompt_thread_invariant`). Together
 they take about 10 s of a 17 s Qwen2.5-Coder-0.5B int8 load on a 2-core machine, at every
 start of a server, a LangChain model or a CLI command, and their answers change only with
 the weights, the precision, the kernels and the machine.

@@ -84,7 +84,9 @@ class TargetConfig:
         On the CPU ``model``'s products are checked for row-count invariance
         (:func:`~agentspec.targets.stable.invariant_rows`): a plain step is padded to the
         fewest rows they are invariant from (fixed-size chunks where they are not), and
-        their thread count is pinned where their bits depend on it. ``probes``: where the
+        their thread count is pinned where their bits depend on it; where decode attention
+        depends on either (:func:`~agentspec.targets.stable.attention_invariant`), every
+        decode forward takes one shape and the process's thread count. ``probes``: where the
         probes' results are kept between loads (``None``: probed here)."""
         on = self.shape_stable
         if on is None:
@@ -101,6 +103,11 @@ class TargetConfig:
             if not probed(probes, "thread_invariant", lambda: stable.thread_invariant(model),
                            is_bool):
                 policy = dataclasses.replace(policy, pin_threads=True)
+            if not probed(probes, "attention_invariant",
+                          lambda: stable.attention_invariant(model), is_bool):
+                # Attention's products: one shape and one thread count for every forward.
+                policy = dataclasses.replace(policy, min_rows=stable.CPU_MIN_ROWS,
+                                             max_rows=stable.CPU_MIN_ROWS, pin_threads=True)
         return policy
 
     def __post_init__(self) -> None:

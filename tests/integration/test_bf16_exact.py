@@ -57,6 +57,43 @@ def test_verify_blocks_give_the_one_by_one_bits(bf16_target: HFTarget) -> None:
         assert torch.equal(blocks, one), k
 
 
+def _agent_context(target: HFTarget, length: int = 1800) -> list[int]:
+    """The first ``length`` tokens of the first packaged SWE-agent turn that long."""
+    from workflows.replay.logs import PACKAGED_TRACES, load_sessions
+
+    for sess in load_sessions([PACKAGED_TRACES], target.tokenizer):
+        for turn in sess.turns:
+            if len(turn.prompt) >= length:
+                return turn.prompt[:length]
+    raise AssertionError(f"no packaged turn has {length} prompt tokens")
+
+
+def test_verifies_of_every_length_give_the_one_row_bits_at_an_agent_context(
+        bf16_target: HFTarget) -> None:
+    """At an agent's context (1,800 tokens of a real SWE-agent log, keys over four
+    alignment blocks), a verify of any 2-33 rows gives each row the bits one-row steps
+    give it. Before decode attention took its value product in fp32, some row counts
+    (5-6 rows of Qwen's heads, 11-16 of SmolLM2's: 33-48 rows of one bf16 product)
+    rounded rows otherwise, and a w8a8 agent turn's answer changed under speculation."""
+    t = bf16_target
+    prompt = _agent_context(t)
+    cont = SpeculativeDecoder(t, None).generate(prompt, max_tokens=40).tokens
+    seq, n0 = [*prompt, *cont], len(prompt)
+    t.prefill(seq[:n0])
+    one = torch.cat([t.score([seq[i]]) for i in range(n0, len(seq))])  # [40, V]
+    t.rollback(len(seq) - n0)
+    for k in range(2, 34):
+        for at in (0, 7):  # the block's first row at two places
+            if at + k > len(cont):
+                continue
+            if at:
+                t.score(seq[n0 : n0 + at])  # the rows before it, one forward
+            got = t.score(seq[n0 + at : n0 + at + k])  # [k, V]
+            assert torch.equal(got, one[at : at + k]), (k, at)
+            t.rollback(t.num_cached - n0)
+    assert len(cont) >= 34  # most lengths were checked at both places
+
+
 def test_suffix_cache_answers_are_plain_bf16_answers(bf16_target: HFTarget) -> None:
     t = bf16_target
     prompt = _prompt(t)

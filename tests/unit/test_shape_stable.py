@@ -249,3 +249,50 @@ def test_stable_attention_computes_sdpa(kind: str) -> None:
         q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     got = stable_attention(q, k, v, mask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_rows_are_invariant_in_the_shipped_models_shapes() -> None:
+    """A query row's attention has the same bits in a 1-33-row forward, at any place and
+    with either thread count, in Qwen2.5-0.5B's heads (14 over 2) and SmolLM2's (9 over 3)
+    at agent-length key spans. With bf16 products of the attention weights and the values,
+    5- and 6-row verifies of Qwen's heads rounded rows otherwise than one-row steps on this
+    project's CPU, and an int8/w8a8 greedy answer changed under speculation."""
+    from agentspec.targets import stable
+
+    for heads, kv in ((14, 2), (9, 3)):
+        assert stable.attention_rows_invariant(heads, kv, 64, torch.bfloat16,
+                                               keys=(2048, 4096), trials=3), (heads, kv)
+
+
+def test_the_attention_probe_catches_a_row_dependent_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that rounds one row count's rows otherwise is caught (a stand-in for a
+    library's shape-dependent kernel choice), and the policy then fixes one forward shape
+    and the thread count."""
+    from agentspec.targets import attention, stable
+
+    real = attention.stable_attention
+
+    def six_rows_differ(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(query, *args, **kwargs)
+        return out * 1.01 if query.shape[2] == 6 else out
+
+    assert stable.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,), trials=1)
+    monkeypatch.setattr(attention, "stable_attention", six_rows_differ)
+    assert not stable.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,),
+                                               trials=1)
+
+
+def test_policy_takes_one_shape_where_attention_is_not_invariant(
+        flat_bf16: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentspec.targets import stable
+
+    monkeypatch.setattr(stable, "invariant_rows", lambda model: 1)
+    monkeypatch.setattr(stable, "thread_invariant", lambda model: True)
+    monkeypatch.setattr(stable, "attention_invariant", lambda model: True)
+    free = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    assert free is not None and (free.min_rows, free.max_rows, free.pin_threads) == (1, 0, False)
+    monkeypatch.setattr(stable, "attention_invariant", lambda model: False)
+    fixed = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    assert fixed is not None and fixed.one_shape and fixed.pin_threads
+    assert fixed.min_rows == stable.CPU_MIN_ROWS
