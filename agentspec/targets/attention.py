@@ -27,8 +27,9 @@ splits the keys between threads, so its bits depend on the thread count (which t
 cost lowers on a loaded machine). These products give a row the same bits for any row
 count, any thread count, and any key length that is a multiple of 512 (tested, and probed
 at load by :func:`~agentspec.targets.stable.attention_invariant`), so a one-row plain step
-needs no padding rows. The attention weights multiply the values in fp32: in bf16 that
-product rounded a row otherwise for some row counts (docs/cpu_step.md).
+needs no padding rows. In a shape-stable step the attention weights multiply the values
+in fp32 blocks of 512 keys: in bf16 that product rounded a row otherwise for some row
+counts, and in one fp32 product for some key lengths (docs/cpu_step.md).
 
 A prompt's tail of :data:`SPLIT_ROWS` or more tokens fed after cached positions, in a
 reduced precision, takes :func:`split_tail_attention`: the masked kernel above is the
@@ -52,24 +53,33 @@ ATTENTION_NAME = "agentspec_sdpa"
 STABLE_STEP: ContextVar[bool] = ContextVar("agentspec_stable_step", default=False)
 
 
+#: Keys per block of attention's value product in a shape-stable step (the CPU's key
+#: alignment, :data:`~agentspec.targets.stable.CPU_ALIGN`).
+VALUE_BLOCK = 512
+
+
 def stable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None,
-                     scaling: float | None = None) -> torch.Tensor:
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     block: int | None = VALUE_BLOCK) -> torch.Tensor:
     """Row-invariant attention: query ``[B, H, q, d]``, key and value ``[B, kv_heads, n,
     d]``, a mask ``[B, 1, q, n]`` (additive, or boolean with True where a query attends);
     returns ``[B, q, H, d]``.
 
     The ``g = H / kv_heads`` query heads sharing a key/value head are stacked as the rows
     of one product against it (no copy of the cache per query head); the softmax and the
-    product of its weights with the values run in fp32.
+    product of its weights with the values run in fp32, the latter in ``block``-key
+    blocks added in order (``None``: one product).
 
-    Why the second product is fp32: a bf16 product of ``g * q`` rows against the values
-    rounds a row differently for some row counts than for others (the library picks
-    another kernel by shape), so a verify's row could differ from the plain step's and a
-    greedy answer change under speculation (docs/cpu_step.md has the case). The fp32
-    product keeps the softmax's weights unrounded and gave every row count and thread
-    count the same bits; :func:`~agentspec.targets.stable.attention_invariant` checks
-    that at load, and a target whose check fails runs every decode forward in one shape."""
+    Why: the value product sums over the keys, and a library picks its kernel, and how
+    it splits that sum, by shape. In bf16, a product of some row counts ``g * q`` rounded a
+    row otherwise than a one-row step's; in fp32 over the whole key length, some key
+    lengths did (the masked keys past a query add exact zeros, but the split moves). Either
+    let a verify's row differ from the plain step's and a greedy answer change under
+    speculation (docs/cpu_step.md has the cases). In fp32 blocks of a fixed key count, each
+    product has one shape whatever the key length, and the blocks past a query's keys add
+    exact zeros; :func:`~agentspec.targets.stable.attention_invariant` checks row counts,
+    thread counts and key lengths at load, and a target whose check fails runs every decode
+    forward in one shape."""
     b, h, q, d = query.shape
     kv, n = key.shape[1], key.shape[-2]
     g = h // kv
@@ -82,8 +92,14 @@ def stable_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
         else:  # additive
             scores = scores + mask.float()  # [B, H, q, n]
-    probs = torch.softmax(scores, dim=-1)  # [B, H, q, n] fp32
-    out = torch.matmul(probs.view(b, kv, g * q, n), value.float())  # [B, kv, g*q, d] fp32
+    probs = torch.softmax(scores, dim=-1).view(b * kv, g * q, n)  # fp32
+    values = value.float().reshape(b * kv, n, d)  # [B*kv, n, d]
+    if block is None:
+        out = torch.bmm(probs, values)  # [B*kv, g*q, d] fp32
+    else:
+        out = torch.zeros(b * kv, g * q, d, dtype=probs.dtype, device=probs.device)
+        for c in range(0, n, block):  # out += probs[:, :, c:c+block] @ values[:, c:c+block]
+            out.baddbmm_(probs[:, :, c : c + block], values[:, c : c + block])
     return out.to(value.dtype).view(b, h, q, d).transpose(1, 2).contiguous()
 
 
@@ -101,7 +117,8 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # One query row (a plain step): PyTorch's CPU SDPA splits the keys by thread for a
         # single query, so its bits depend on the thread count, which the live cost lowers
         # on a loaded machine; these products do not.
-        return stable_attention(query, key, value, attention_mask, scaling), None
+        block = VALUE_BLOCK if STABLE_STEP.get() else None  # a plain fp32 step: one product
+        return stable_attention(query, key, value, attention_mask, scaling, block), None
     if query.dtype != torch.float32 and not special and dropout == 0.0:
         # A prompt's tail after cached positions (bf16, int8, w8a8; fp32 keeps
         # transformers' kernel, the reference's bits): two unmasked passes.

@@ -237,10 +237,11 @@ PROBE_KEYS = (CPU_ALIGN, 4 * CPU_ALIGN, 8 * CPU_ALIGN)
 def attention_invariant(model: Any, trials: int = 4, seed: int = 0) -> bool:
     """Whether decode attention (:func:`~agentspec.targets.attention.stable_attention`) gives
     a query row the same bits in a forward of any row count (1-33), at any place among the
-    rows, and with one thread as with the process's thread count, in ``model``'s head
-    shapes and activation dtype, at the key lengths of :data:`PROBE_KEYS` (those within its
-    window). Where it does not, a CPU target runs every decode forward in one shape with a
-    pinned thread count (:meth:`~agentspec.targets.target_config.TargetConfig.stable_policy`).
+    rows, with one thread as with the process's thread count, and over the next aligned
+    key length (the keys past the row masked), in ``model``'s head shapes and activation
+    dtype, at the key lengths of :data:`PROBE_KEYS` (those within its window). Where it
+    does not, a CPU target runs every decode forward in one shape with a pinned thread
+    count (:meth:`~agentspec.targets.target_config.TargetConfig.stable_policy`).
 
     Why a probe: the products inside attention pick their kernel by shape like any other
     product, and a kernel that rounds a row otherwise for some row counts breaks a verify's
@@ -262,7 +263,8 @@ def attention_rows_invariant(heads: int, kv_heads: int, head_dim: int, dtype: to
     ``n``: a block of 33 consecutive query rows near the end of ``n`` keys, each row
     attended alone (a one-row forward, the process's threads); then for every row count
     2-33 windows of that many consecutive rows of the block at random offsets (every other
-    count with one thread), each of their rows compared with its one-row bits."""
+    count with one thread, every third window over ``n`` + 512 keys), each of their rows
+    compared with its one-row bits."""
     from agentspec.targets import attention  # the module attribute: tests may replace it
 
     threads = torch.get_num_threads()
@@ -272,25 +274,30 @@ def attention_rows_invariant(heads: int, kv_heads: int, head_dim: int, dtype: to
         for _ in range(trials):
             for n in keys:
                 spread = 1.0 + 4.0 * float(torch.rand(1, generator=gen))  # softmax peakiness
-                key = (torch.randn(1, kv_heads, n, head_dim, generator=gen) * spread).to(dtype)
-                value = torch.randn(1, kv_heads, n, head_dim, generator=gen).to(dtype)
+                long = n + CPU_ALIGN  # a longer key span: the next aligned length
+                key = (torch.randn(1, kv_heads, long, head_dim, generator=gen)
+                       * spread).to(dtype)  # [1, kv, n + align, d]
+                value = torch.randn(1, kv_heads, long, head_dim, generator=gen).to(dtype)
                 rows = (torch.randn(1, heads, block, head_dim, generator=gen)
                         * spread).to(dtype)  # [1, heads, 33, d]
                 first = max(0, n - block - int(torch.randint(0, 64, (1,), generator=gen)))
-                # Row i at position first + i sees keys 0 .. first + i: [1, 1, 33, n]
-                mask = step_inputs(torch.tensor(first), block, n, dtype)[1]
+                # Row i at position first + i sees keys 0 .. first + i: [1, 1, 33, long]
+                mask = step_inputs(torch.tensor(first), block, long, dtype)[1]
                 alone = torch.cat([attention.stable_attention(
-                    rows[:, :, i : i + 1], key, value, mask[:, :, i : i + 1], scale)
+                    rows[:, :, i : i + 1], key[:, :, :n], value[:, :, :n],
+                    mask[:, :, i : i + 1, :n], scale)
                     for i in range(block)], dim=1)  # [1, 33, heads, d]
                 # Short windows cost little: a few of each, so rare roundings show.
                 counts = [q for q in range(2, block + 1) for _ in range(max(1, 12 // q))]
-                for q in counts:
+                for j, q in enumerate(counts):
                     at = int(torch.randint(0, block - q + 1, (1,), generator=gen))
+                    span = long if j % 3 == 0 else n  # also over more (masked) keys
                     if q % 2:
                         torch.set_num_threads(1)
                     try:
                         got = attention.stable_attention(
-                            rows[:, :, at : at + q], key, value, mask[:, :, at : at + q], scale)
+                            rows[:, :, at : at + q], key[:, :, :span], value[:, :, :span],
+                            mask[:, :, at : at + q, :span], scale)
                     finally:
                         torch.set_num_threads(threads)
                     if not torch.equal(got, alone[:, at : at + q]):
