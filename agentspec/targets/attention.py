@@ -53,8 +53,9 @@ ATTENTION_NAME = "agentspec_sdpa"
 STABLE_STEP: ContextVar[bool] = ContextVar("agentspec_stable_step", default=False)
 
 
-#: Keys per block of attention's value product in a shape-stable step (the CPU's key
-#: alignment, :data:`~agentspec.targets.stable.CPU_ALIGN`).
+#: Keys per block of attention's value product in a shape-stable step; the CPU's key
+#: alignment (:data:`~agentspec.targets.stable.CPU_ALIGN`) is this, so an aligned span is
+#: whole blocks.
 VALUE_BLOCK = 512
 
 

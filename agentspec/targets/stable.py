@@ -55,11 +55,13 @@ import torch
 import torch.nn.functional as F
 
 from agentspec.errors import ConfigError
+from agentspec.targets import attention  # called as a module attribute: tests replace it
 from agentspec.targets.int8 import Int8Linear
 from agentspec.targets.w8a8 import W8A8Linear
 
-#: Key-length alignment on the CPU (see the module docstring).
-CPU_ALIGN = 512
+#: Key-length alignment on the CPU (see the module docstring): attention's value product
+#: runs in blocks of this many keys, so every block of an aligned span has one shape.
+CPU_ALIGN = attention.VALUE_BLOCK
 #: Rows of every CPU decode forward where ``linear`` is not row-invariant.
 CPU_MIN_ROWS = 8
 #: Row bucket of a CUDA step: verifies of up to this many rows cost one step there.
@@ -265,8 +267,6 @@ def attention_rows_invariant(heads: int, kv_heads: int, head_dim: int, dtype: to
     2-33 windows of that many consecutive rows of the block at random offsets (every other
     count with one thread, every third window over ``n`` + 512 keys), each of their rows
     compared with its one-row bits."""
-    from agentspec.targets import attention  # the module attribute: tests may replace it
-
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(seed)
     scale, block = head_dim ** -0.5, 33

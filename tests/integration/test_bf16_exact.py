@@ -72,8 +72,8 @@ def test_verifies_of_every_length_give_the_one_row_bits_at_an_agent_context(
         bf16_target: HFTarget) -> None:
     """At an agent's context (1,800 tokens of a real SWE-agent log, keys over four
     alignment blocks), a verify of any 2-33 rows gives each row the bits one-row steps
-    give it. Before decode attention took its value product in fp32, some row counts
-    (5-6 rows of Qwen's heads, 11-16 of SmolLM2's: 33-48 rows of one bf16 product)
+    give it. Before decode attention took its value product in fp32 blocks, some row
+    counts (5-6 rows of Qwen's heads, 11-16 of SmolLM2's: 33-48 rows of one bf16 product)
     rounded rows otherwise, and a w8a8 agent turn's answer changed under speculation."""
     t = bf16_target
     prompt = _agent_context(t)

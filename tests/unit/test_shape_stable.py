@@ -252,11 +252,12 @@ def test_stable_attention_computes_sdpa(kind: str) -> None:
 
 
 def test_decode_attention_rows_are_invariant_in_the_shipped_models_shapes() -> None:
-    """A query row's attention has the same bits in a 1-33-row forward, at any place and
-    with either thread count, in Qwen2.5-0.5B's heads (14 over 2) and SmolLM2's (9 over 3)
-    at agent-length key spans. With bf16 products of the attention weights and the values,
-    5- and 6-row verifies of Qwen's heads rounded rows otherwise than one-row steps on this
-    project's CPU, and an int8/w8a8 greedy answer changed under speculation."""
+    """A query row's attention has the same bits in a 1-33-row forward, at any place,
+    with either thread count and over 512 more masked keys, in Qwen2.5-0.5B's heads (14
+    over 2) and SmolLM2's (9 over 3) at agent-length key spans. With a bf16 product of the
+    attention weights and the values, 5- and 6-row verifies of Qwen's heads rounded rows
+    otherwise than one-row steps on this project's CPU (and one fp32 product did at another
+    key length), and an int8/w8a8 greedy answer changed under speculation."""
     from agentspec.targets import stable
 
     for heads, kv in ((14, 2), (9, 3)):
@@ -267,8 +268,7 @@ def test_decode_attention_rows_are_invariant_in_the_shipped_models_shapes() -> N
 def test_the_attention_probe_catches_a_row_dependent_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that rounds one row count's rows otherwise is caught (a stand-in for a
-    library's shape-dependent kernel choice), and the policy then fixes one forward shape
-    and the thread count."""
+    library's shape-dependent kernel choice)."""
     from agentspec.targets import attention, stable
 
     real = attention.stable_attention
