@@ -118,8 +118,8 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         Args:
             model: A shipped model's name (default: the embedded one; see
                 ``agentspec models``) or a local Hugging Face folder.
-            dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` or ``w8a8`` (CPU
-                only), each exact against plain decoding in that precision.
+            dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or
+                ``w8a16`` (CPU only), each exact against plain decoding in that precision.
             store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.

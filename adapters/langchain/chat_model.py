@@ -95,7 +95,8 @@ class ChatAgentSpec(BaseChatModel):
         model_name: Embedded model name or a local Hugging Face folder (alias ``model``;
             default from ``AGENTSPEC_MODEL``, else the embedded model).
         dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` (int8 weight-only
-            layers, CPU only), ``w8a8`` (int8 weights and activations, CPU only) or
+            layers, CPU only), ``w8a8`` (int8 weights and activations, CPU only),
+            ``w8a16`` (int8 weights, activations as two int8 digits, CPU only) or
             ``auto`` (int8 on an AVX-512 CPU, else fp32); output identical to plain greedy
             decoding in that precision.
         tool_format: The model's tool-call format: ``hermes``, ``llama3_json``,
@@ -133,7 +134,7 @@ class ChatAgentSpec(BaseChatModel):
     model_name: str = Field(
         default_factory=from_env("AGENTSPEC_MODEL", default=EMBEDDED_MODEL), alias="model"
     )
-    dtype: Literal["float32", "bfloat16", "int8", "w8a8", "auto"] = "float32"
+    dtype: Literal["float32", "bfloat16", "int8", "w8a8", "w8a16", "auto"] = "float32"
     tool_format: str | None = None
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int | None = Field(default=256, ge=1)

@@ -50,7 +50,8 @@ def shared_runtime(
 
     Args:
         model: Embedded model name (``None`` for the default) or a local model folder.
-        dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` or ``w8a8`` (CPU only).
+        dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or ``w8a16``
+            (CPU only).
         store: ``True`` for the default session store under ``AGENTSPEC_HOME``, a path for
             a SQLite file, or ``False``/``None`` to keep session caches in memory only.
         tool_format: The model's tool-call format (``None``: chosen from its chat template,

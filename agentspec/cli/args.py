@@ -12,7 +12,7 @@ __all__ = ["DEVICES", "DTYPES", "add_device_arg", "add_dtype_arg", "csv_list",
 DEVICES = ("auto", "cpu", "cuda")
 #: What ``--dtype`` takes (``TargetConfig.dtype``; not imported from it: ``--help`` should
 #: not load torch).
-DTYPES = ("float32", "bfloat16", "int8", "w8a8", "auto")
+DTYPES = ("float32", "bfloat16", "int8", "w8a8", "w8a16", "auto")
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
@@ -25,16 +25,18 @@ def add_device_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(parser: argparse.ArgumentParser, default: str = "float32") -> None:
-    """Add ``--dtype float32|bfloat16|int8|w8a8|auto`` to a command that loads a model (see
+    """Add ``--dtype float32|bfloat16|int8|w8a8|w8a16|auto`` to a command that loads a model (see
     :attr:`~agentspec.targets.target_config.TargetConfig.dtype`)."""
     parser.add_argument("--dtype", choices=DTYPES, default=default,
                         help="the model's precision: float32 (the reference), bfloat16, "
                              "int8 (int8 weight-only layers over bf16 activations, CPU only, "
                              "fewest bytes per step), w8a8 (int8 weights and int8 "
                              "activations summed in int32, CPU only: multi-row verifies cost "
-                             "little more than one row; answers drift further from float32's) "
-                             "or auto (int8 on an AVX-512 CPU, else "
-                             "float32); each exact against plain decoding in the same "
+                             "little more than one row; answers drift further from float32's), "
+                             "w8a16 (int8 weights, activations as two int8 digits, CPU only: "
+                             "w8a8's cheap verifies at int8's closeness to float32) "
+                             "or auto (int8 on an AVX-512 CPU, else float32); each exact "
+                             "against plain decoding in the same "
                              f"precision (docs/cpu_step.md; default {default})")
 
 

@@ -121,7 +121,7 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         block = VALUE_BLOCK if STABLE_STEP.get() else None  # a plain fp32 step: one product
         return stable_attention(query, key, value, attention_mask, scaling, block), None
     if query.dtype != torch.float32 and not special and dropout == 0.0:
-        # A prompt's tail after cached positions (bf16, int8, w8a8; fp32 keeps
+        # A prompt's tail after cached positions (bf16, the int8 precisions; fp32 keeps
         # transformers' kernel, the reference's bits): two unmasked passes.
         out = split_tail_attention(query, key, value, attention_mask, scaling)
         if out is not None:

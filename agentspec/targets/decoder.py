@@ -7,13 +7,14 @@ small model's step (``docs/cpu_step.md`` has the measurements).
 
 :class:`DirectDecoder` runs the shape-stable decode forward of such a model as one plain
 loop over its layers that calls the model's own modules (norms, the projections whatever
-their kind: fp32, bf16, int8 or w8a8, the rotary embedding, the MLP's activation, the
+their kind: fp32, bf16, int8, w8a8 or w8a16, the rotary embedding, the MLP's activation, the
 final norm and the output layer) and :func:`~agentspec.targets.attention.stable_attention`
 (what the registered attention function runs for these forwards anyway), in transformers'
 order and dtypes, so its logits are meant to be transformers' bits; its keys and values
 go through the cache's own ``update``. Where q, k and v are int8 layers they run as one
-product (:meth:`~agentspec.targets.int8.Int8Linear.concat`: each column is computed on
-its own, so each part keeps its bits), and queries and keys are rotated together
+product (:meth:`~agentspec.targets.int8.Int8Linear.concat`,
+:meth:`~agentspec.targets.w8a8.W8A8Linear.concat`: each column is computed on its own, so
+each part keeps its bits), and queries and keys are rotated together
 (elementwise, the same bits).
 
 That is not taken on trust: the first step a target runs with it is also run through
@@ -32,6 +33,7 @@ import torch
 
 from agentspec.targets.attention import ATTENTION_NAME, stable_attention
 from agentspec.targets.int8 import Int8Linear
+from agentspec.targets.w8a8 import W8A8Linear
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +86,15 @@ class DirectDecoder:
         self.norm = body.norm
         self.head = model.lm_head
         self.layers = list(body.layers)
-        # int8 q/k/v projections as one product per layer: one kernel call instead of
-        # three, the same bits per column (a copy of those weights: ~1 % of the model's).
-        self.qkv: list[Int8Linear | None] = []
+        # int8 q/k/v projections (any of the int8 precisions) as one product per layer:
+        # one kernel call instead of three, the same bits per column (a copy of those
+        # weights: ~1 % of the model's).
+        self.qkv: list[Int8Linear | W8A8Linear | None] = []
         for layer in self.layers:
             parts = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
-            self.qkv.append(Int8Linear.concat(parts)
-                            if all(type(p) is Int8Linear for p in parts) else None)
+            kind = type(parts[0])
+            same = kind in (Int8Linear, W8A8Linear) and all(type(p) is kind for p in parts)
+            self.qkv.append(kind.concat(parts) if same else None)
         self.checked = False
         self.failed: str | None = None
         self.steps = 0

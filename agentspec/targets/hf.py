@@ -114,7 +114,7 @@ class HFTarget:
         device = config.resolved_device()
         model, tok, files = load_model_and_tokenizer(config.model, config.load_dtype, device)
         if config.dtype in QUANTIZED:  # from the fp32 weights; raises off the CPU
-            int8.quantize_linears(model, activations=config.dtype == "w8a8")
+            int8.quantize_linears(model, activations=QUANTIZED[config.dtype])
             model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)

@@ -35,15 +35,10 @@ from agentspec.errors import ConfigError
 from agentspec.targets import w8a8
 from agentspec.targets.attention import STABLE_STEP
 from agentspec.targets.fingerprint import cpuinfo
+from agentspec.targets.w8a8 import PREFILL_ROWS
 
 __all__ = ["PREFILL_ROWS", "SIBLINGS", "Int8Linear", "fast_here", "quantize_linears",
            "supported"]
-
-#: From this many rows on, a forward outside a decode step (a prefill chunk) multiplies the
-#: dequantized bf16 weights instead: the int8 kernel's cost grows with the rows much faster
-#: than bf16's GEMM (on a 2-core AVX-512 machine, Qwen's MLP shape over 512 rows: 29 ms
-#: against 13.5 with the dequantization included; over 32 rows they tie).
-PREFILL_ROWS = 64
 
 
 class Int8Linear(torch.nn.Module):
@@ -72,19 +67,7 @@ class Int8Linear(torch.nn.Module):
         """One layer whose outputs are ``parts``' side by side (their int8 weights, scales
         and biases stacked, not quantized again): the kernel computes each output column
         on its own, so each part's columns are the bits its own product gives."""
-        if not parts or len({p.in_features for p in parts}) != 1:
-            raise ConfigError("concat needs int8 layers of one input width")
-        if len({p.bias is None for p in parts}) != 1:
-            raise ConfigError("concat needs int8 layers that all have a bias or none")
-        out = cls.__new__(cls)
-        torch.nn.Module.__init__(out)
-        out.in_features = parts[0].in_features
-        out.out_features = sum(p.out_features for p in parts)
-        out.register_buffer("qweight", torch.cat([p.qweight for p in parts]))  # [out, in]
-        out.register_buffer("scales", torch.cat([p.scales for p in parts]))  # [out]
-        biases = [p.bias for p in parts if p.bias is not None]
-        out.register_buffer("bias", torch.cat(biases) if biases else None)
-        return out
+        return w8a8.stack_layers(cls, parts)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -132,36 +115,41 @@ def fast_here() -> bool:
 
 
 #: Sibling layers that read the same input, by their names in Hugging Face decoders
-#: (Llama, Qwen2, Mistral, ...): under ``w8a8`` they quantize it once (see
+#: (Llama, Qwen2, Mistral, ...): under ``w8a8`` and ``w8a16`` they quantize it once (see
 #: :class:`~agentspec.targets.w8a8.SharedInput`).
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def quantize_linears(model: Any, activations: bool = False) -> int:
-    """Replace every ``nn.Linear`` of ``model`` (on the CPU) by an :class:`Int8Linear`, or
-    with ``activations`` by a :class:`~agentspec.targets.w8a8.W8A8Linear`; return how many
-    were replaced. Call it on the fp32 model, before casting the rest to bf16 (the scales
-    come from the fp32 weights).
+def quantize_linears(model: Any, activations: int = 0) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (on the CPU) by an :class:`Int8Linear`
+    (``activations=0``: bf16 activations), or by a
+    :class:`~agentspec.targets.w8a8.W8A8Linear` whose activations are quantized to
+    ``activations`` int8 digits (1: ``w8a8``, 2: ``w8a16``); return how many were replaced.
+    Call it on the fp32 model, before casting the rest to bf16 (the scales come from the
+    fp32 weights).
 
     Raises:
-        ConfigError: the model is not on the CPU, has no ``nn.Linear`` layer, or torch
-            lacks the kernel.
+        ConfigError: the model is not on the CPU, has no ``nn.Linear`` layer, torch lacks
+            the kernel, or ``activations`` is not 0, 1 or 2.
     """
-    dtype = "w8a8" if activations else "int8"
-    if not (w8a8.supported() if activations else supported()):
+    digits = int(activations)
+    if digits not in (0, 1, 2):
+        raise ConfigError(f"activations must be 0, 1 or 2 int8 digits, got {activations!r}")
+    dtype = ("int8", "w8a8", "w8a16")[digits]
+    if not (w8a8.supported() if digits else supported()):
         raise ConfigError(f"dtype {dtype!r} needs a CPU int8 kernel that torch "
                           f"{torch.__version__} lacks; use dtype 'bfloat16'")
     replaced = 0
     for parent in list(model.modules()):
         linears = {name: child for name, child in parent.named_children()
                    if type(child) is torch.nn.Linear}
-        shared = _shared_inputs(linears) if activations else {}
+        shared = _shared_inputs(linears, digits) if digits else {}
         for name, child in linears.items():
             if child.weight.device.type != "cpu":
                 raise ConfigError(f"dtype {dtype!r} runs on the CPU only; layer {name!r} is "
                                   f"on {child.weight.device.type} (use bfloat16 on a GPU)")
             layer: torch.nn.Module = (
-                w8a8.W8A8Linear(child.weight, child.bias, shared.get(name)) if activations
+                w8a8.W8A8Linear(child.weight, child.bias, shared.get(name), digits) if digits
                 else Int8Linear(child.weight, child.bias))
             setattr(parent, name, layer)
             replaced += 1
@@ -176,13 +164,15 @@ def quantize_linears(model: Any, activations: bool = False) -> int:
     return replaced
 
 
-def _shared_inputs(linears: dict[str, torch.nn.Linear]) -> dict[str, w8a8.SharedInput]:
-    """One :class:`~agentspec.targets.w8a8.SharedInput` per group of :data:`SIBLINGS`
-    present (all members, one input width) among one module's ``linears``."""
+def _shared_inputs(linears: dict[str, torch.nn.Linear],
+                   digits: int) -> dict[str, w8a8.SharedInput]:
+    """One :class:`~agentspec.targets.w8a8.SharedInput` of ``digits`` activation digits per
+    group of :data:`SIBLINGS` present (all members, one input width) among one module's
+    ``linears``."""
     out: dict[str, w8a8.SharedInput] = {}
     for group in SIBLINGS:
         if all(n in linears for n in group) and \
                 len({linears[n].in_features for n in group}) == 1:
-            shared = w8a8.SharedInput(members=len(group))
+            shared = w8a8.SharedInput(members=len(group), digits=digits)
             out.update({n: shared for n in group})
     return out

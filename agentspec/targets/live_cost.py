@@ -20,7 +20,7 @@ so it follows the load as it comes and goes. A one-row forward gives the same bi
 thread or ``T`` (tested on both shipped models), so plain decoding, the reference of every
 lossless guarantee, is unchanged. A prompt's forwards follow the load too
 (:meth:`LiveCost.prefill_threads`), but only where a load-time probe found their bits the
-same with either count (bf16, int8 and w8a8 on both shipped models; not fp32). A verify
+same with either count (not fp32; docs/draft-cost.md lists which passed here). A verify
 forward's thread count may change the order of its sums in the last bits, as a change of
 kernel does; outputs are tested token-identical as before.
 

@@ -22,10 +22,11 @@ from agentspec.targets.stable import StablePolicy
 __all__ = ["DTYPES", "QUANTIZED", "TargetConfig"]
 
 #: The precisions a target loads in (see :attr:`TargetConfig.dtype`).
-DTYPES = ("float32", "bfloat16", "int8", "w8a8")
+DTYPES = ("float32", "bfloat16", "int8", "w8a8", "w8a16")
 
-#: The precisions whose linear layers are quantized at load (CPU only).
-QUANTIZED = ("int8", "w8a8")
+#: The precisions whose linear layers are quantized at load (CPU only), with the int8
+#: digits each quantizes a layer's input to (0: the input stays bf16).
+QUANTIZED = {"int8": 0, "w8a8": 1, "w8a16": 2}
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,10 @@ class TargetConfig:
             weight-only linear layers over bf16 activations, quantized at load from the fp32
             weights; CPU only, see :mod:`~agentspec.targets.int8`) or ``"w8a8"`` (int8
             weights and per-token int8 activations summed in int32: cheap multi-row verifies,
-            answers further from fp32's; CPU only, see :mod:`~agentspec.targets.w8a8`);
+            answers further from fp32's; CPU only, see :mod:`~agentspec.targets.w8a8`) or
+            ``"w8a16"`` (int8 weights, activations as two int8 digits of a 16-bit
+            fixed-point value, summed in int32: w8a8's cheap verifies, answers as close to
+            fp32's as int8's; CPU only);
             each exact against plain decoding in the same precision (the others through
             shape-stable forwards, see
             ``shape_stable``). ``"auto"`` becomes ``"int8"`` on a CPU where it is fast
@@ -63,8 +67,9 @@ class TargetConfig:
             shapes, so a row's logits never depend on how many rows share its forward
             (:mod:`agentspec.targets.stable`): what makes bf16 speculation token-identical
             to plain bf16 decoding, and on CUDA what lets a step run as a captured graph.
-            ``None`` (auto): on for bfloat16, int8, w8a8 and on CUDA, off for fp32 on the CPU (exact
-            without it; tree drafts verify as chains while it is on).
+            ``None`` (auto): on for bfloat16, the int8 precisions and on CUDA, off for
+            fp32 on the CPU (exact without it; tree drafts verify as chains while it is
+            on).
         cuda_graphs: Capture the shape-stable CUDA step as a graph (falls back to eager
             steps, with a warning, if capture fails).
     """
@@ -120,15 +125,15 @@ class TargetConfig:
             object.__setattr__(self, "dtype", "int8" if cpu and int8.fast_here() else "float32")
         if self.dtype not in DTYPES:
             raise ConfigError(
-                f"dtype must be 'float32', 'bfloat16', 'int8', 'w8a8' or 'auto', "
+                f"dtype must be 'float32', 'bfloat16', 'int8', 'w8a8', 'w8a16' or 'auto', "
                 f"got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 
     @property
     def load_dtype(self) -> str:
-        """The precision the model's files are loaded in (int8 and w8a8 are quantized from
-        fp32)."""
+        """The precision the model's files are loaded in (the int8 precisions are quantized
+        from fp32)."""
         return "float32" if self.dtype in QUANTIZED else self.dtype
 
     def resolved_device(self) -> str:
@@ -136,7 +141,8 @@ class TargetConfig:
 
         Raises:
             DeviceUnavailableError: ``device="cuda"`` on a machine without CUDA.
-            ConfigError: ``dtype="int8"`` or ``"w8a8"`` with ``device="cuda"`` (CPU kernels).
+            ConfigError: an int8 precision (``int8``, ``w8a8``, ``w8a16``) with
+                ``device="cuda"`` (CPU kernels).
         """
         if self.dtype in QUANTIZED:  # the int8 kernels used are the CPU's
             if self.device == "cuda":

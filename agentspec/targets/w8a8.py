@@ -23,15 +23,41 @@ prompt's KV is what one-row steps would write.
 **What it gives up.** Quantizing activations loses more than quantizing weights alone:
 answers drift further from fp32's than int8's do (docs/cpu_step.md measures by how much).
 It is an opt-in precision (``dtype="w8a8"``), never ``auto``'s choice.
+
+**Two digits: w8a16.** ``dtype="w8a16"`` writes each activation as a 16-bit fixed-point
+number of its row, split into a high and a low int8 digit (:func:`quantize_rows` with
+``digits=2``); a forward's m rows go to ``_int_mm`` as 2m rows, which costs about what m
+rows cost, and the two exact sums are recombined element-wise (``254 · high + low``). The
+activations' error shrinks 254-fold, below the weights' own rounding, and a row's bits
+still depend on that row alone. Prefill chunks multiply the dequantized weights in bf16
+instead (:data:`PREFILL_ROWS`), as int8 does: two digits cost ~10 elementwise passes over
+a chunk. It is opt-in too: its one-row step costs a little more than int8's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["SharedInput", "W8A8Linear", "quantize_rows", "quantize_weight", "supported"]
+from agentspec.errors import ConfigError
+from agentspec.targets.attention import STABLE_STEP
+
+__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "quantize_rows",
+           "quantize_weight", "stack_layers", "supported"]
+
+#: The low activation digit's weight under ``w8a16``: a unit of the high digit is worth
+#: this many of the low one. 254, not 256: the remainder after the high digit is at most
+#: 1/2, and 254 · 1/2 = 127 keeps the low digit inside int8's symmetric range.
+LOW = 254.0
+
+#: From this many rows on, a forward outside a decode step (a prefill chunk) multiplies the
+#: dequantized bf16 weights instead, under ``int8`` (whose kernel's cost grows with the
+#: rows much faster than bf16's GEMM: on a 2-core AVX-512 machine, Qwen's MLP shape over
+#: 512 rows, 29 ms against 13.5 with the dequantization included; over 32 rows they tie)
+#: and ``w8a16`` (whose two digits cost ~10 elementwise passes over a chunk). ``w8a8``
+#: keeps its integer product there (faster than bf16's GEMM over many rows).
+PREFILL_ROWS = 64
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,17 +75,37 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization of activations ``rows`` ``[m, k]``.
+def quantize_rows(rows: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization of activations ``rows`` ``[m, k]`` into ``digits``
+    int8 digits (1 for ``w8a8``, 2 for ``w8a16``).
+
+    With one digit ``rows ≈ q · a``, ``a = max|row| / 127``. With two, each row is a
+    16-bit fixed-point number ``n = round(rows / u)``, ``u = max|row| / (127 · 254)``, so
+    ``|n| <= 32,258``, written as a high and a low digit: ``high = round(n / 254)`` and
+    ``low = n - 254 · high``, both in ``[-127, 127]`` (the remainder of a rounded
+    division is at most half the divisor). Then ``rows ≈ (254 · high + low) · u``: an
+    error of at most ``u / 2`` per value, 254 times less than one digit's ``a / 2``.
 
     Returns:
-        ``(q, a)``: ``q`` ``[m, k]`` int8 in ``[-127, 127]`` and ``a`` ``[m, 1]`` fp32 with
-        ``rows ≈ q · a``. Each row's values depend on that row alone.
+        ``(q, u)``: ``q`` ``[digits · m, k]`` int8 in ``[-127, 127]`` (the high digits' rows
+        first) and ``u`` ``[m, 1]`` fp32, the value of one unit of the combined integer
+        (``a`` with one digit). Each row's values depend on that row alone.
     """
-    r = rows.float()  # [m, k]
-    a = r.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30) / 127.0  # [m, 1]
-    # |r / a| <= 127 up to one rounding, which round() brings back to 127: no clamp needed.
-    return torch.round(r / a).to(torch.int8), a
+    if digits not in (1, 2):
+        raise ConfigError(f"activation digits must be 1 or 2, got {digits!r}")
+    # The maximum is exact whatever the dtype; the division promotes the rows to fp32 on
+    # the way (no separate fp32 copy: each pass over a chunk's rows costs).
+    peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True,
+                                    dtype=torch.float32).clamp_(min=1e-30)  # [m, 1]
+    if digits == 1:
+        a = peak / 127.0  # [m, 1]
+        # |rows / a| <= 127 up to one rounding, which round() brings back: no clamp.
+        return (rows / a).round_().to(torch.int8), a
+    u = peak / (127.0 * LOW)  # [m, 1]
+    n = (rows / u).round_()  # [m, k] fp32 integers, |n| <= 32,258: exact from here on
+    high = (n / LOW).round_()  # [m, k] in [-127, 127]
+    low = n.sub_(high, alpha=LOW)  # [m, k]: exact integer arithmetic, in [-127, 127]
+    return torch.cat((high, low)).to(torch.int8), u
 
 
 class SharedInput:
@@ -74,12 +120,14 @@ class SharedInput:
 
     Args:
         members: How many layers read each input.
+        digits: Int8 digits per activation (1: ``w8a8``, 2: ``w8a16``).
     """
 
-    __slots__ = ("_a", "_members", "_q", "_reads", "_x")
+    __slots__ = ("_a", "_members", "_q", "_reads", "_x", "digits")
 
-    def __init__(self, members: int = 1) -> None:
+    def __init__(self, members: int = 1, digits: int = 1) -> None:
         self._members = members
+        self.digits = digits
         self._x: torch.Tensor | None = None
         self._reads = 0
         self._q = torch.empty(0, dtype=torch.int8)
@@ -89,7 +137,7 @@ class SharedInput:
         """:func:`quantize_rows` of ``x`` ``[..., width]`` viewed as rows, reused when
         ``x`` is the tensor the group quantized last and not every member has read it."""
         if x is not self._x:
-            self._q, self._a = quantize_rows(x.reshape(-1, width))
+            self._q, self._a = quantize_rows(x.reshape(-1, width), self.digits)
             self._x, self._reads = x, 0
         q, a = self._q, self._a
         self._reads += 1
@@ -115,14 +163,17 @@ class W8A8Linear(torch.nn.Module):
     bias: torch.Tensor | None  # [out] fp32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 shared: SharedInput | None = None) -> None:
+                 shared: SharedInput | None = None, digits: int = 1) -> None:
         super().__init__()
+        if shared is not None and shared.digits != digits:
+            raise ConfigError(f"a layer of {digits} activation digits cannot share an input "
+                              f"quantized to {shared.digits}")
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         q, scale = quantize_weight(weight)
         self.register_buffer("qweight", q)  # [out, in] int8
         self.register_buffer("scales", scale)  # [out] fp32: applied to the exact int32 sums
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.shared = shared if shared is not None else SharedInput()
+        self.shared = shared if shared is not None else SharedInput(digits=digits)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``model.to(bfloat16)`` casts the rest of the model; the fp32 scales and bias
@@ -135,6 +186,18 @@ class W8A8Linear(torch.nn.Module):
                 self.bias = bias.to(self.scales.device)
         return out
 
+    @classmethod
+    def concat(cls, parts: list[W8A8Linear]) -> W8A8Linear:
+        """One layer whose outputs are ``parts``' side by side (their int8 weights, scales
+        and biases stacked, not quantized again), reading its input quantized as theirs
+        is: each output column is its own exact integer sum, scaled element-wise, so each
+        part's columns are the bits its own product gives."""
+        if len({p.shared.digits for p in parts}) > 1:
+            raise ConfigError("concat needs layers of one number of activation digits")
+        out = stack_layers(cls, parts)
+        out.shared = SharedInput(digits=parts[0].shared.digits)
+        return out
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weights (bf16, ``[out, in]``), for code that reads a linear's
@@ -144,13 +207,20 @@ class W8A8Linear(torch.nn.Module):
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ Wᵀ`` for ``rows`` ``[m, in]``: ``[m, out]`` in ``rows``' dtype (no
         bias), quantizing the rows on the way: the kernel a forward runs."""
-        q, a = quantize_rows(rows)
+        q, a = quantize_rows(rows, self.shared.digits)
         return self._finish(q, a, rows.dtype)
 
     def _finish(self, q: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        acc = torch._int_mm(q, self.qweight.t())  # [m, out] int32, exact
-        y = acc * self.scales  # [m, out] fp32
+        acc = torch._int_mm(q, self.qweight.t())  # [digits·m, out] int32, exact
+        m = a.shape[0]
+        if acc.shape[0] == m:  # one digit
+            y = acc * self.scales  # [m, out] fp32
+        else:  # two: 254 · high + low, each step one IEEE rounding (no fused multiply-add,
+            # whose rounding would depend on which path a kernel takes)
+            y = acc[:m] * LOW  # [m, out] fp32
+            y.add_(acc[m:])
+            y.mul_(self.scales)
         y.mul_(a)
         if bias is not None:
             y.add_(bias)
@@ -158,13 +228,51 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]``: ``[..., out]`` in ``x``'s dtype."""
+        if (self.shared.digits == 2 and x.numel() >= PREFILL_ROWS * self.in_features
+                and not STABLE_STEP.get()):
+            # A prefill chunk under w8a16: bf16's GEMM over the dequantized weights, as
+            # int8 does. Two digits' quantization and recombination are ~10 passes over
+            # the chunk's rows and outputs, which on a few cores cost more than the
+            # product. Never inside a decode forward, whose rows must all take one kernel.
+            w = self.qweight.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), w, None if self.bias is None
+                                           else self.bias.to(torch.bfloat16))
+            return y.to(x.dtype)
         q, a = self.shared.quantize(x, self.in_features)
         y = self._finish(q, a, x.dtype, self.bias)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weights=int8, activations=int8")
+                f"bias={self.bias is not None}, weights=int8, "
+                f"activations={8 * self.shared.digits}-bit fixed point")
+
+
+L = TypeVar("L", bound=torch.nn.Module)
+
+
+def stack_layers(cls: type[L], parts: list[Any]) -> L:
+    """A new ``cls`` layer (:class:`W8A8Linear` or int8's ``Int8Linear``) whose int8
+    weights, scales and biases are ``parts``' stacked along the outputs, not quantized
+    again; the caller adds what else its kind holds.
+
+    Raises:
+        ConfigError: no parts, parts of different input widths, or some with a bias and
+            some without.
+    """
+    if not parts or len({p.in_features for p in parts}) != 1:
+        raise ConfigError("concat needs int8 layers of one input width")
+    if len({p.bias is None for p in parts}) != 1:
+        raise ConfigError("concat needs int8 layers that all have a bias or none")
+    out = cls.__new__(cls)
+    torch.nn.Module.__init__(out)
+    out.in_features = parts[0].in_features
+    out.out_features = sum(p.out_features for p in parts)
+    out.register_buffer("qweight", torch.cat([p.qweight for p in parts]))  # [out, in]
+    out.register_buffer("scales", torch.cat([p.scales for p in parts]))  # [out]
+    biases = [p.bias for p in parts if p.bias is not None]
+    out.register_buffer("bias", torch.cat(biases) if biases else None)
+    return out
 
 
 def supported() -> bool:

@@ -1,5 +1,5 @@
-"""bf16, int8 and w8a8 on the embedded model: speculation is token-identical to plain decoding in
-the same precision.
+"""bf16, int8, w8a8 and w8a16 on the embedded model: speculation is token-identical to plain
+decoding in the same precision.
 
 The rounding differences that break it are rare per product (a one-row product rounds one
 bf16 ulp apart from the same row in a larger product in a few percent of rows on SmolLM2's
@@ -21,10 +21,10 @@ from agentspec.types import SessionRef
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "int8", "w8a8"])
+@pytest.fixture(scope="module", params=["bfloat16", "int8", "w8a8", "w8a16"])
 def bf16_target(request: pytest.FixtureRequest) -> HFTarget:
     """The embedded model in bf16, then with int8 weight-only layers (bf16 activations),
-    then with int8 weights and activations."""
+    then with int8 weights and activations of one and of two int8 digits."""
     return HFTarget.load(TargetConfig(dtype=request.param, measure_costs=False,
                                       prefix_cache_bytes=0))
 

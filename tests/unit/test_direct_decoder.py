@@ -23,6 +23,7 @@ from agentspec.targets import decoder as decoder_mod
 from agentspec.targets.decoder import DirectDecoder
 from agentspec.targets.hf import HFTarget
 from agentspec.targets.stable import StablePolicy
+from agentspec.targets.target_config import QUANTIZED
 from tests.conftest import TINY_VOCAB, tiny_llama
 
 POLICY = StablePolicy(min_rows=1, align=512)
@@ -48,8 +49,8 @@ def tiny_qwen2() -> torch.nn.Module:
 
 def _model(arch: str, dtype: str) -> torch.nn.Module:
     model = tiny_llama(layers=3, max_positions=1024) if arch == "llama" else tiny_qwen2()
-    if dtype in ("int8", "w8a8"):
-        int8.quantize_linears(model, activations=dtype == "w8a8")
+    if dtype in QUANTIZED:
+        int8.quantize_linears(model, activations=QUANTIZED[dtype])
     return model.to(torch.bfloat16)
 
 
@@ -72,7 +73,7 @@ def _steps(target: HFTarget, seed: int = 0) -> tuple[list[torch.Tensor], list[An
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "w8a8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "w8a8", "w8a16"])
 def test_direct_steps_are_transformers_bits(arch: str, dtype: str) -> None:
     if dtype != "bfloat16" and not int8.supported():
         pytest.skip("this torch build has no int8 weight-only kernel")

@@ -1,7 +1,8 @@
-"""w8a8: int8 weights times per-row int8 activations, summed in int32. What the product
-computes (exactly: against integer sums done in int64), that a row's bits never depend on
-the row count or the thread count, that sibling layers quantize their shared input once,
-and that speculation over it is token-identical to plain decoding of the same model."""
+"""w8a8 and w8a16: int8 weights times per-row activations quantized to one or two int8
+digits, summed in int32. What the product computes (exactly: against integer sums done in
+int64), that a row's bits never depend on the row count or the thread count, that sibling
+layers quantize their shared input once, and that speculation over it is token-identical to
+plain decoding of the same model."""
 
 from __future__ import annotations
 
@@ -20,15 +21,19 @@ from tests.unit.test_shape_stable import _blocks_vs_one_by_one, _mismatches
 pytestmark = pytest.mark.skipif(not w8a8.supported(), reason="torch lacks torch._int_mm")
 
 
-def _w8a8_model(init: float = 0.02) -> torch.nn.Module:
+DTYPE = {1: "w8a8", 2: "w8a16"}
+
+
+def _w8a8_model(init: float = 0.02, digits: int = 1) -> torch.nn.Module:
     model = tiny_llama(layers=4, max_positions=1024, init=init)
-    quantize_linears(model, activations=True)
+    quantize_linears(model, activations=digits)
     return model.to(torch.bfloat16)
 
 
-def _target(model: torch.nn.Module) -> HFTarget:
-    return HFTarget(model, None, "flat-w8a8", "w8a8", "cpu", None,
-                    TargetConfig(dtype="w8a8").stable_policy("cpu", model))
+def _target(model: torch.nn.Module, digits: int = 1) -> HFTarget:
+    dtype = DTYPE[digits]
+    return HFTarget(model, None, f"flat-{dtype}", dtype, "cpu", None,
+                    TargetConfig(dtype=dtype).stable_policy("cpu", model))
 
 
 def test_rows_are_quantized_symmetrically_per_row() -> None:
@@ -41,6 +46,50 @@ def test_rows_are_quantized_symmetrically_per_row() -> None:
     assert torch.equal(q[4], torch.zeros(40, dtype=torch.int8))
     # Each value is off by at most half a step of its own row.
     assert torch.all((q.float() * a - rows.bfloat16().float()).abs() <= a / 2 + 1e-6)
+
+
+def test_two_digits_write_each_value_to_within_1_508th_of_its_rows_step() -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(6, 40) * torch.tensor([1e-3, 1.0, 7.0, 100.0, 0.5, 2.0])[:, None]
+    rows[4] = 0.0
+    rows[5, 3] = 500.0  # an outlier sets its row's scale
+    x = rows.bfloat16()
+    q, u = quantize_rows(x, digits=2)
+    assert q.shape == (12, 40) and q.dtype == torch.int8 and u.shape == (6, 1)
+    high, low = q[:6].long(), q[6:].long()
+    assert int(q.abs().max()) <= 127
+    one, a = quantize_rows(x)
+    assert torch.allclose(u * 254, a)  # a unit of the high digit is w8a8's step
+    assert (high - one.long()).abs().max() <= 1  # ... and the high digit about its value
+    value = (high * 254 + low).double() * u.double()  # [6, 40]
+    assert torch.all((value - x.double()).abs() <= u.double() / 2 * (1 + 1e-5))
+    assert int((high * 254 + low).abs().max()) == 127 * 254  # the row's peak, exactly
+    assert torch.equal(q[[4, 10]], torch.zeros(2, 40, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="digits"):
+        quantize_rows(x, digits=3)
+
+
+def test_two_digit_product_is_the_exact_combined_sum_scaled() -> None:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(300, 70, bias=True)
+    layer = W8A8Linear(lin.weight, lin.bias, digits=2)
+    x = torch.randn(9, 300).bfloat16()
+    q, u = quantize_rows(x, digits=2)
+    sums = q.long() @ layer.qweight.long().t()  # [18, 70] int64: exact
+    combined = sums[:9].float() * 254 + sums[9:].float()  # [9, 70]: the kernel's roundings
+    want = ((combined * layer.scales) * u + layer.bias).to(torch.bfloat16)
+    assert torch.equal(layer(x), want)
+    # The activations' error is ~254x smaller than w8a8's: against the same int8 weights
+    # over exact activations, the two-digit product is off by little more than its bf16
+    # output rounding, w8a8's by far more.
+    one = W8A8Linear(lin.weight, lin.bias)
+    exact_acts = torch.nn.functional.linear(x.double(), layer.weight.double(),
+                                            lin.bias.double())  # [9, 70]
+    rounding = (exact_acts.to(torch.bfloat16).double() - exact_acts).norm()
+    assert (layer(x).double() - exact_acts).norm() <= 1.5 * rounding
+    assert (one(x).double() - exact_acts).norm() > 3 * rounding
+    with pytest.raises(ConfigError, match="digits"):
+        W8A8Linear(lin.weight, None, SharedInput(digits=1), digits=2)
 
 
 def test_the_product_is_the_exact_integer_sum_scaled() -> None:
@@ -59,9 +108,10 @@ def test_the_product_is_the_exact_integer_sum_scaled() -> None:
     assert layer.weight.shape == lin.weight.shape  # the dequantized view, for shape readers
 
 
-def test_a_rows_bits_do_not_depend_on_row_count_or_threads() -> None:
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_rows_bits_do_not_depend_on_row_count_or_threads(digits: int) -> None:
     torch.manual_seed(2)
-    layer = W8A8Linear(torch.randn(257, 96) * 0.05, None)
+    layer = W8A8Linear(torch.randn(257, 96) * 0.05, None, digits=digits)
     row = torch.randn(1, 96).bfloat16() * 3
     outs = []
     for m in (1, 2, 7, 33, 130):
@@ -89,7 +139,8 @@ def test_siblings_quantize_their_input_once_and_hold_nothing_after(
     assert mlp.gate_proj.shared is mlp.up_proj.shared is not mlp.down_proj.shared
     calls = []
     real = w8a8.quantize_rows
-    monkeypatch.setattr(w8a8, "quantize_rows", lambda r: calls.append(r.shape) or real(r))
+    monkeypatch.setattr(w8a8, "quantize_rows",
+                        lambda r, d=1: calls.append(r.shape) or real(r, d))
     x = torch.randn(1, 3, 64)
     ys = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
     assert len(calls) == 1  # one quantization for three products
@@ -100,6 +151,21 @@ def test_siblings_quantize_their_input_once_and_hold_nothing_after(
     calls.clear()
     attn.q_proj(x), attn.q_proj(x.clone())  # another tensor: quantized again
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_concat_gives_each_part_its_own_bits(digits: int) -> None:
+    torch.manual_seed(3)
+    shared = SharedInput(members=3, digits=digits)
+    parts = [W8A8Linear(torch.randn(out, 64) * 0.05, torch.randn(out), shared, digits)
+             for out in (64, 16, 16)]
+    both = W8A8Linear.concat(parts)
+    x = torch.randn(1, 5, 64).bfloat16()
+    assert torch.equal(both(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert both.shared is not shared and both.shared.digits == digits
+    with pytest.raises(ConfigError, match="digits"):
+        W8A8Linear.concat([parts[0], W8A8Linear(torch.randn(8, 64), None,
+                                                digits=3 - digits)])
 
 
 def test_shared_input_recomputes_for_a_new_tensor() -> None:
@@ -123,32 +189,47 @@ def test_quantize_keeps_scales_fp32_through_a_cast() -> None:
     assert model.model.norm.weight.dtype == torch.bfloat16  # the rest is cast
 
 
-def test_config_rules() -> None:
-    assert TargetConfig(dtype="w8a8").resolved_device() == "cpu"
-    assert TargetConfig(dtype="w8a8").load_dtype == "float32"
+def test_two_digit_siblings_share_a_two_digit_input() -> None:
+    model = tiny_llama(layers=1)
+    quantize_linears(model, activations=2)
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_proj.shared is mlp.up_proj.shared
+    assert mlp.gate_proj.shared.digits == mlp.down_proj.shared.digits == 2
+    with pytest.raises(ConfigError, match="0, 1 or 2"):
+        quantize_linears(tiny_llama(layers=1), activations=3)
+
+
+@pytest.mark.parametrize("dtype", ["w8a8", "w8a16"])
+def test_config_rules(dtype: str) -> None:
+    assert TargetConfig(dtype=dtype).resolved_device() == "cpu"
+    assert TargetConfig(dtype=dtype).load_dtype == "float32"
     with pytest.raises(ConfigError, match="CPU only"):
-        TargetConfig(dtype="w8a8", device="cuda").resolved_device()
-    assert TargetConfig(dtype="w8a8").stable_policy("cpu") is not None
+        TargetConfig(dtype=dtype, device="cuda").resolved_device()
+    assert TargetConfig(dtype=dtype).stable_policy("cpu") is not None
 
 
-def test_probes_find_w8a8_invariant_from_one_row() -> None:
-    model = _w8a8_model()
+@pytest.mark.parametrize("digits", [1, 2])
+def test_probes_find_it_invariant_from_one_row(digits: int) -> None:
+    model = _w8a8_model(digits=digits)
     assert invariant_rows(model) == 1
     assert thread_invariant(model)
 
 
-def test_verify_blocks_give_the_one_by_one_bits() -> None:
-    target = _target(_w8a8_model())
+@pytest.mark.parametrize("digits", [1, 2])
+def test_verify_blocks_give_the_one_by_one_bits(digits: int) -> None:
+    target = _target(_w8a8_model(digits=digits), digits)
     assert target.shape_stable
     for k in (2, 5, 9, 20):
         assert _blocks_vs_one_by_one(target, k), k
 
 
-def test_w8a8_speculation_identical_to_plain_w8a8() -> None:
-    assert _mismatches(_target(_w8a8_model())) == 0
+@pytest.mark.parametrize("digits", [1, 2])
+def test_speculation_identical_to_plain_decoding_in_its_precision(digits: int) -> None:
+    assert _mismatches(_target(_w8a8_model(digits=digits), digits)) == 0
 
 
-def test_cli_takes_w8a8() -> None:
+@pytest.mark.parametrize("dtype", ["w8a8", "w8a16"])
+def test_cli_takes_it(dtype: str) -> None:
     from agentspec.cli.console import build_parser
 
-    assert build_parser().parse_args(["bench", "--dtype", "w8a8"]).dtype == "w8a8"
+    assert build_parser().parse_args(["bench", "--dtype", dtype]).dtype == dtype

@@ -47,7 +47,8 @@ class BenchConfig:
         turns: Turns per session.
         out: Path of the JSON results (``None``: do not write).
         model: Model name or folder.
-        dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` or ``w8a8`` (CPU only).
+        dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or ``w8a16``
+            (CPU only).
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         max_draft: Longest draft per verification.
         data_dir: Data folder for the workloads that read files.
