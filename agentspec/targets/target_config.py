@@ -41,8 +41,8 @@ class TargetConfig:
             weights and per-token int8 activations summed in int32: cheap multi-row verifies,
             answers further from fp32's; CPU only, see :mod:`~agentspec.targets.w8a8`) or
             ``"w8a16"`` (int8 weights, activations as two int8 digits of a 16-bit
-            fixed-point value, summed in int32: w8a8's cheap verifies, answers as close to
-            fp32's as int8's; CPU only);
+            fixed-point value, summed in int32: w8a8's cheap verifies, a decode product
+            nearer fp32's than int8's, its prompt int8's; CPU only);
             each exact against plain decoding in the same precision (the others through
             shape-stable forwards, see
             ``shape_stable``). ``"auto"`` becomes ``"int8"`` on a CPU where it is fast
