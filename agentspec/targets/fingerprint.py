@@ -119,7 +119,8 @@ def hash_tensors(h: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
 #: attention, the cache and its forwards, the direct step, the stable shapes): their source
 #: keys the files measured from forwards (cost curves, probe results), so an agentspec
 #: whose forwards changed measures again rather than reading another code's numbers.
-FORWARD_CODE = ("attention", "decoder", "int8", "kv", "kv_cache", "linear", "stable", "w8a8")
+FORWARD_CODE = ("attention", "decoder", "fused_digits", "int8", "kv", "kv_cache", "linear",
+                "stable", "w8a8")
 
 
 @functools.lru_cache(maxsize=1)

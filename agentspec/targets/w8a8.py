@@ -41,10 +41,11 @@ from typing import Any, TypeVar
 import torch
 
 from agentspec.errors import ConfigError
+from agentspec.targets import fused_digits
 from agentspec.targets.attention import STABLE_STEP
 
-__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "quantize_rows",
-           "quantize_weight", "stack_layers", "supported"]
+__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "quantize_ops",
+           "quantize_rows", "quantize_weight", "stack_layers", "supported"]
 
 #: The low activation digit's weight under ``w8a16``: a unit of the high digit is worth
 #: this many of the low one. 254, not 256: the remainder after the high digit is at most
@@ -93,6 +94,13 @@ def quantize_rows(rows: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, to
     """
     if digits not in (1, 2):
         raise ConfigError(f"activation digits must be 1 or 2, got {digits!r}")
+    fused = fused_digits.quantize(rows, digits)  # one pass in C, the same bits
+    return fused if fused is not None else quantize_ops(rows, digits)
+
+
+def quantize_ops(rows: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` as torch operators: the definition :mod:`.fused_digits`
+    reproduces bit for bit, and what runs where its kernel is not built."""
     # The maximum is exact whatever the dtype; the division promotes the rows to fp32 on
     # the way (no separate fp32 copy: each pass over a chunk's rows costs).
     peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True,
@@ -213,6 +221,13 @@ class W8A8Linear(torch.nn.Module):
     def _finish(self, q: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         acc = torch._int_mm(q, self.qweight.t())  # [digits·m, out] int32, exact
+        fused = fused_digits.combine(acc, self.scales, a, bias, dtype)  # the same bits
+        return fused if fused is not None else self.combine_ops(acc, a, dtype, bias)
+
+    def combine_ops(self, acc: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The outputs ``[m, out]`` from the exact sums ``acc`` ``[digits·m, out]`` as
+        torch operators: the definition :func:`.fused_digits.combine` reproduces."""
         m = a.shape[0]
         if acc.shape[0] == m:  # one digit
             y = acc * self.scales  # [m, out] fp32

@@ -1,0 +1,100 @@
+"""The C kernel of w8a8's and w8a16's activation digits: the same bits as the torch
+operators it replaces (quantization and recombination, fp32 and bf16, every high digit's
+integer), a whole model's logits identical with and without it, and the torch operators
+taking over when it is switched off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from agentspec.targets import fused_digits, w8a8
+from agentspec.targets.int8 import quantize_linears
+from agentspec.targets.w8a8 import W8A8Linear, quantize_ops
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(not (w8a8.supported() and fused_digits.available()),
+                                reason="torch lacks torch._int_mm or no C compiler here")
+
+SHAPES = [(1, 896), (2, 4864), (7, 33), (16, 896), (64, 100), (3, 1)]
+
+
+def _rows(m: int, k: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    rows = torch.randn(m, k) * scale * torch.rand(m, 1) * 10  # rows of unlike scales
+    rows[0, : min(3, k)] = 0.0
+    if m > 2:
+        rows[1] = 0.0  # an all-zero row
+    return rows.to(dtype)
+
+
+@pytest.fixture
+def torch_ops() -> Iterator[None]:
+    """The kernel switched off for the test's duration (as where no compiler is found)."""
+    lib, tried = fused_digits._lib, fused_digits._tried
+    fused_digits._lib, fused_digits._tried = None, True
+    try:
+        yield
+    finally:
+        fused_digits._lib, fused_digits._tried = lib, tried
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("digits", [1, 2])
+def test_quantize_and_combine_give_the_torch_operators_bits(dtype: torch.dtype,
+                                                            digits: int) -> None:
+    torch.manual_seed(digits)
+    for m, k in SHAPES:
+        layer = W8A8Linear(torch.randn(257, k), torch.randn(257), digits=digits)
+        for scale in (1e-3, 1.0, 37.0, 1e4):
+            rows = _rows(m, k, scale, dtype)
+            fused = fused_digits.quantize(rows, digits)
+            assert fused is not None
+            q, u = quantize_ops(rows, digits)
+            assert torch.equal(fused[0], q) and torch.equal(fused[1], u), (m, k, scale)
+            acc = torch._int_mm(q, layer.qweight.t())  # [digits·m, 257]
+            for bias in (None, layer.bias):
+                got = fused_digits.combine(acc, layer.scales, u, bias, dtype)
+                assert got is not None and got.dtype == dtype
+                assert torch.equal(got, layer.combine_ops(acc, u, dtype, bias)), (m, k)
+
+
+def test_every_high_digit_matches() -> None:
+    # Each fixed-point integer |n| <= 32,258 appears once: the high digit's rounded
+    # division (and the low digit's remainder) agree for all of them, ties included.
+    n = torch.arange(-32258, 32259, dtype=torch.float32)[None, :]
+    fused = fused_digits.quantize(n, 2)
+    assert fused is not None
+    q, u = quantize_ops(n, 2)
+    assert torch.equal(fused[0], q) and torch.equal(fused[1], u)
+    assert int(q.abs().max()) <= 127
+
+
+def test_a_transposed_input_is_read_as_its_values() -> None:
+    rows = torch.randn(40, 6).t()  # not contiguous
+    fused = fused_digits.quantize(rows, 2)
+    assert fused is not None and torch.equal(fused[0], quantize_ops(rows, 2)[0])
+
+
+def test_other_dtypes_are_left_to_torch() -> None:
+    rows = torch.randn(2, 8, dtype=torch.float64)
+    assert fused_digits.quantize(rows, 2) is None
+    acc = torch.zeros(4, 3, dtype=torch.int32)
+    assert fused_digits.combine(acc, torch.ones(3), torch.ones(2, 1), None,
+                                torch.float16) is None
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_models_logits_are_the_same_with_the_kernel_or_without(digits: int,
+                                                                 request: pytest.FixtureRequest
+                                                                 ) -> None:
+    model = tiny_llama(layers=2, max_positions=256)
+    quantize_linears(model, activations=digits)
+    ids = torch.randint(0, 96, (1, 37), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        fused = model(ids).logits
+        request.getfixturevalue("torch_ops")
+        assert fused_digits.quantize(torch.ones(1, 4), digits) is None  # switched off
+        ops = model(ids).logits
+    assert torch.equal(fused, ops)
