@@ -97,7 +97,8 @@ class ChatAgentSpec(BaseChatModel):
         dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` (int8 weight-only
             layers, CPU only), ``w8a8`` (int8 weights and activations, CPU only),
             ``w8a16`` (int8 weights, activations as two int8 digits, CPU only) or
-            ``auto`` (int8 on an AVX-512 CPU, else fp32); output identical to plain greedy
+            ``auto`` (w8a16 on an AVX-512 CPU with a C compiler, int8 on one without,
+            else fp32); output identical to plain greedy
             decoding in that precision.
         tool_format: The model's tool-call format: ``hermes``, ``llama3_json``,
             ``mistral``, ``mistral_v11`` or ``fallback`` (default: chosen from the model's

@@ -71,13 +71,10 @@ class Int8Linear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weights (bf16, ``[out, in]``), made on each call: what a prefill
-        chunk multiplies, and what code that reads a linear's ``weight`` sees.
-
-        Multiplied in bf16: ``q`` is exact in bf16 and the exact product ``q · s`` has at
-        most 16 significant bits, so the one rounding to bf16 gives the bits an fp32
-        product would, without an fp32 copy of the matrix."""
-        return self.qweight.to(torch.bfloat16) * self.scales[:, None]
+        """The dequantized weights (bf16, ``[out, in]``,
+        :func:`~agentspec.targets.w8a8.dequantized`), made on each call: what a prefill
+        chunk multiplies, and what code that reads a linear's ``weight`` sees."""
+        return w8a8.dequantized(self.qweight, self.scales)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """The int8 kernel: ``rows @ Wᵀ`` for ``rows`` ``[m, in]`` (bf16), ``[m, out]``."""
@@ -108,9 +105,11 @@ def supported() -> bool:
 
 
 def fast_here() -> bool:
-    """Whether ``dtype="auto"`` picks int8 on this CPU: the kernel exists and the CPU has
-    AVX-512 (where int8 was measured faster than fp32 and bf16 at every decode row count
-    up to 8; on other CPUs ``auto`` keeps fp32, the reference)."""
+    """Whether ``dtype="auto"`` picks an int8 precision on this CPU (w8a16, or int8 where
+    w8a16's C kernel is not built; see :func:`~agentspec.targets.target_config.auto_dtype`):
+    the kernel exists and the CPU has AVX-512 (where int8 was measured faster than fp32
+    and bf16 at every decode row count up to 8; on other CPUs ``auto`` keeps fp32, the
+    reference)."""
     return supported() and "avx512f" in cpuinfo("flags").split()
 
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from agentspec.errors import ConfigError, DeviceUnavailableError
-from agentspec.targets import int8, stable
+from agentspec.targets import fused_digits, int8, stable, w8a8
 from agentspec.targets.probe_cache import ProbeCache, is_bool, is_rows, probed
 from agentspec.targets.stable import StablePolicy
 
-__all__ = ["DTYPES", "QUANTIZED", "TargetConfig"]
+__all__ = ["DTYPES", "QUANTIZED", "TargetConfig", "auto_dtype"]
 
 #: The precisions a target loads in (see :attr:`TargetConfig.dtype`).
 DTYPES = ("float32", "bfloat16", "int8", "w8a8", "w8a16")
@@ -27,6 +27,20 @@ DTYPES = ("float32", "bfloat16", "int8", "w8a8", "w8a16")
 #: The precisions whose linear layers are quantized at load (CPU only), with the int8
 #: digits each quantizes a layer's input to (0: the input stays bf16).
 QUANTIZED = {"int8": 0, "w8a8": 1, "w8a16": 2}
+
+
+def auto_dtype(cpu: bool) -> str:
+    """What ``dtype="auto"`` becomes: on a CPU where int8 is fast
+    (:func:`~agentspec.targets.int8.fast_here`: AVX-512), ``"w8a16"`` where its digits run
+    as one C call each (:func:`~agentspec.targets.fused_digits.available`: a C compiler is
+    here), else ``"int8"``; ``"float32"`` elsewhere (and on a GPU).
+
+    Why w8a16 first: its verifies of many rows cost little more than one row (int8's grow
+    almost linearly) and its decode product is nearer fp32's than int8's; without the C
+    kernel its one-row step costs more than int8's (docs/cpu_step.md measures both)."""
+    if not (cpu and int8.fast_here()):
+        return "float32"
+    return "w8a16" if w8a8.supported() and fused_digits.available() else "int8"
 
 
 @dataclass(frozen=True)
@@ -45,9 +59,9 @@ class TargetConfig:
             nearer fp32's than int8's, its prompt int8's; CPU only);
             each exact against plain decoding in the same precision (the others through
             shape-stable forwards, see
-            ``shape_stable``). ``"auto"`` becomes ``"int8"`` on a CPU where it is fast
-            (:func:`~agentspec.targets.int8.fast_here`), else ``"float32"``; the
-            config's ``dtype`` holds the choice once built.
+            ``shape_stable``). ``"auto"`` becomes ``"w8a16"`` (or ``"int8"``) on a CPU
+            where they are fast, else ``"float32"`` (:func:`auto_dtype`); the config's
+            ``dtype`` holds the choice once built.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). The target's
             device owns every tensor that meets its model: drafters, heads and the prefix
             store follow it.
@@ -122,7 +136,7 @@ class TargetConfig:
         if self.dtype == "auto":  # resolved once, so every key and label names the choice
             cpu = self.device == "cpu" or (self.device == "auto"
                                            and not torch.cuda.is_available())
-            object.__setattr__(self, "dtype", "int8" if cpu and int8.fast_here() else "float32")
+            object.__setattr__(self, "dtype", auto_dtype(cpu))
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"dtype must be 'float32', 'bfloat16', 'int8', 'w8a8', 'w8a16' or 'auto', "

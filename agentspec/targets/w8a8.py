@@ -31,7 +31,10 @@ rows cost, and the two exact sums are recombined element-wise (``254 · high + l
 activations' error shrinks 254-fold, below the weights' own rounding, and a row's bits
 still depend on that row alone. Prefill chunks multiply the dequantized weights in bf16
 instead (:data:`PREFILL_ROWS`), as int8 does: two digits cost ~10 elementwise passes over
-a chunk. It is opt-in too: its one-row step costs a little more than int8's.
+a chunk. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits` builds its C
+kernel (the digits and the recombination in one call each, the same bits as the torch
+operators here, which run where no compiler is found): there its one-row step costs about
+int8's and its verifies far less.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from agentspec.errors import ConfigError
 from agentspec.targets import fused_digits
 from agentspec.targets.attention import STABLE_STEP
 
-__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "quantize_ops",
+__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "dequantized", "quantize_ops",
            "quantize_rows", "quantize_weight", "stack_layers", "supported"]
 
 #: The low activation digit's weight under ``w8a16``: a unit of the high digit is worth
@@ -74,6 +77,16 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale
+
+
+def dequantized(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 weights ``qweight`` ``[out, in]`` times their per-row ``scales`` ``[out]``, in
+    bf16 (the weights a prefill chunk of ``int8`` or ``w8a16`` multiplies).
+
+    Multiplied in bf16: ``q`` is exact in bf16 and the exact product of ``q`` and the bf16
+    scale has at most 16 significant bits, so the one rounding to bf16 gives the bits an
+    fp32 product would, without an fp32 copy of the matrix."""
+    return qweight.to(torch.bfloat16) * scales.to(torch.bfloat16)[:, None]
 
 
 def quantize_rows(rows: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +221,10 @@ class W8A8Linear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weights (bf16, ``[out, in]``), for code that reads a linear's
-        ``weight``; the forward never uses them."""
-        return (self.qweight.float() * self.scales[:, None]).to(torch.bfloat16)
+        """The dequantized weights (bf16, ``[out, in]``, :func:`dequantized`), made on each
+        call: what a ``w8a16`` prefill chunk multiplies, and what code that reads a
+        linear's ``weight`` sees."""
+        return dequantized(self.qweight, self.scales)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ Wᵀ`` for ``rows`` ``[m, in]``: ``[m, out]`` in ``rows``' dtype (no
@@ -249,8 +263,8 @@ class W8A8Linear(torch.nn.Module):
             # int8 does. Two digits' quantization and recombination are ~10 passes over
             # the chunk's rows and outputs, which on a few cores cost more than the
             # product. Never inside a decode forward, whose rows must all take one kernel.
-            w = self.qweight.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), w, None if self.bias is None
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight,
+                                           None if self.bias is None
                                            else self.bias.to(torch.bfloat16))
             return y.to(x.dtype)
         q, a = self.shared.quantize(x, self.in_features)

@@ -108,10 +108,15 @@ def test_prefill_rows_take_the_dequantized_weights_and_decode_rows_never_do() ->
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_auto_dtype_is_int8_where_it_is_fast(monkeypatch: pytest.MonkeyPatch,
-                                             fast: bool) -> None:
+@pytest.mark.parametrize("kernel", [True, False])
+def test_auto_dtype_is_w8a16_or_int8_where_they_are_fast(monkeypatch: pytest.MonkeyPatch,
+                                                         fast: bool, kernel: bool) -> None:
+    from agentspec.targets import fused_digits
+
     monkeypatch.setattr(int8, "fast_here", lambda: fast)
-    assert TargetConfig(dtype="auto", device="cpu").dtype == ("int8" if fast else "float32")
+    monkeypatch.setattr(fused_digits, "available", lambda: kernel)
+    want = ("w8a16" if kernel else "int8") if fast else "float32"
+    assert TargetConfig(dtype="auto", device="cpu").dtype == want
     if torch.cuda.is_available():
         assert TargetConfig(dtype="auto", device="cuda").dtype == "float32"
 

@@ -83,7 +83,8 @@ def test_two_digit_product_is_the_exact_combined_sum_scaled() -> None:
     # over exact activations, the two-digit product is off by little more than its bf16
     # output rounding, w8a8's by far more.
     one = W8A8Linear(lin.weight, lin.bias)
-    exact_acts = torch.nn.functional.linear(x.double(), layer.weight.double(),
+    int8_weights = layer.qweight.double() * layer.scales.double()[:, None]  # [70, 300]
+    exact_acts = torch.nn.functional.linear(x.double(), int8_weights,
                                             lin.bias.double())  # [9, 70]
     rounding = (exact_acts.to(torch.bfloat16).double() - exact_acts).norm()
     assert (layer(x).double() - exact_acts).norm() <= 1.5 * rounding
