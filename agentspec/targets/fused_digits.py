@@ -217,11 +217,11 @@ def combine(acc: torch.Tensor, scales: torch.Tensor, u: torch.Tensor,
     ``[digits·m, n]`` (``m`` = ``u``'s rows): ``((254 · high + low) · scales) · u + bias``
     (one digit: ``(acc · scales) · u + bias``), as :class:`~agentspec.targets.w8a8.
     W8A8Linear` computes them with torch operators; ``None`` where the kernel is not there
-    or the tensors are not its kind."""
+    or the tensors are not its kind (or there are no rows)."""
     lib = _lib if _tried else _load()
-    if lib is None or dtype not in _DTYPES or acc.dtype != torch.int32:
-        return None
     m = u.shape[0]
+    if lib is None or dtype not in _DTYPES or acc.dtype != torch.int32 or m == 0:
+        return None
     n = acc.shape[1]
     acc = acc.contiguous()
     scales = scales.contiguous()

@@ -77,6 +77,13 @@ def test_a_transposed_input_is_read_as_its_values() -> None:
     assert fused is not None and torch.equal(fused[0], quantize_ops(rows, 2)[0])
 
 
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_forward_of_no_rows_gives_no_rows(digits: int) -> None:
+    layer = W8A8Linear(torch.randn(8, 16), torch.randn(8), digits=digits)
+    assert layer(torch.randn(0, 16)).shape == (0, 8)
+    assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 8)
+
+
 def test_other_dtypes_are_left_to_torch() -> None:
     rows = torch.randn(2, 8, dtype=torch.float64)
     assert fused_digits.quantize(rows, 2) is None
