@@ -119,8 +119,8 @@ def hash_tensors(h: Any, named: Iterable[tuple[str, torch.Tensor]]) -> None:
 #: attention, the cache and its forwards, the direct step, the stable shapes): their source
 #: keys the files measured from forwards (cost curves, probe results), so an agentspec
 #: whose forwards changed measures again rather than reading another code's numbers.
-FORWARD_CODE = ("attention", "decoder", "fused_digits", "int8", "kv", "kv_cache", "linear",
-                "stable", "w8a8")
+FORWARD_CODE = ("attention", "decoder", "fused_digits", "fused_digits.c", "int8", "kv",
+                "kv_cache", "linear", "stable", "w8a8")
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,7 +137,7 @@ def forward_code() -> str:
     here = Path(__file__).resolve().parent
     for name in FORWARD_CODE:
         try:
-            h.update((here / f"{name}.py").read_bytes())
+            h.update((here / (name if "." in name else f"{name}.py")).read_bytes())
         except OSError:
             h.update(f"{name}-{release}".encode())
     return h.hexdigest()

@@ -16,11 +16,13 @@ and without fast-math, so vectorizing a loop changes no value; bf16 in and out i
 round-to-nearest-even as torch's. The unit tests compare both paths bit for bit; whether
 the kernel is there changes speed, never an answer.
 
-Built how. With the system C compiler (``$CC`` or ``cc``), for this CPU
-(``-march=native``), into ``$AGENTSPEC_HOME/kernels`` under a name keyed by the source,
-the flags and the CPU, written atomically; a second process loads the file. Without a
-compiler, or when the build or load fails, or with ``AGENTSPEC_FUSED_DIGITS=0``, the torch
-operators run instead (one warning per process).
+Built how. From ``fused_digits.c`` beside this module, with the system C compiler
+(``$CC`` or ``cc``) at first use, for this CPU (``-march=native``: the loops vectorize
+with the instructions this CPU has, which a setuptools extension built for any machine,
+as the suffix tree's merge is, cannot assume), into ``$AGENTSPEC_HOME/kernels`` under a
+name keyed by the source, the flags and the CPU, written atomically; a second process
+loads the file. Without a compiler, or when the build or load fails, or with
+``AGENTSPEC_FUSED_DIGITS=0``, the torch operators run instead (one warning per process).
 """
 
 from __future__ import annotations
@@ -41,88 +43,12 @@ import torch
 from agentspec.models import agentspec_home, private_dir
 from agentspec.targets.fingerprint import cpuinfo
 
-__all__ = ["available", "combine", "quantize"]
+__all__ = ["SOURCE", "available", "combine", "quantize"]
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f;
-}
-
-/* c10::BFloat16's round to nearest even; NaN becomes the canonical quiet NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t b; memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-/* Row r of x as fp32 (bf16 widened into scratch). */
-static const float *row_f32(const void *x, int bf16, int64_t r, int64_t k, float *scratch) {
-    if (!bf16) return (const float *)x + r * k;
-    const uint16_t *h = (const uint16_t *)x + r * k;
-    for (int64_t i = 0; i < k; i++) scratch[i] = from_bf16(h[i]);
-    return scratch;
-}
-
-/* quantize_rows: q [digits*m, k] int8 (high digits' rows first), u [m] fp32. */
-void agentspec_quantize(const void *x, int bf16, int64_t m, int64_t k, int digits,
-                        int8_t *q, float *u, float *scratch) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *v = row_f32(x, bf16, r, k, scratch);
-        float peak = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(v[i]);
-            if (a > peak || a != a) peak = a;
-        }
-        if (peak < 1e-30f) peak = 1e-30f;
-        int8_t *hi = q + r * k;
-        if (digits == 1) {
-            float a = peak / 127.0f;
-            u[r] = a;
-            for (int64_t i = 0; i < k; i++) hi[i] = (int8_t)nearbyintf(v[i] / a);
-        } else {
-            float unit = peak / 32258.0f;
-            int8_t *lo = q + (m + r) * k;
-            u[r] = unit;
-            for (int64_t i = 0; i < k; i++) {
-                float n = nearbyintf(v[i] / unit);
-                float h = nearbyintf(n / 254.0f);
-                hi[i] = (int8_t)h;
-                lo[i] = (int8_t)(n - 254.0f * h);
-            }
-        }
-    }
-}
-
-/* The outputs [m, n] from the exact sums acc [digits*m, n]:
-   ((254 * high + low) * s[j]) * u[r] + bias[j], each operation rounded on its own. */
-void agentspec_combine(const int32_t *acc, int64_t m, int64_t n, int digits, const float *s,
-                       const float *u, const float *bias, void *out, int bf16) {
-    for (int64_t r = 0; r < m; r++) {
-        const int32_t *hi = acc + r * n;
-        const int32_t *lo = acc + (m + r) * n;
-        float ur = u[r];
-        float *of = (float *)out + r * n;
-        uint16_t *oh = (uint16_t *)out + r * n;
-        for (int64_t j = 0; j < n; j++) {
-            float y = (float)hi[j];
-            if (digits == 2) {
-                y = y * 254.0f;
-                y = y + (float)lo[j];
-            }
-            y = y * s[j];
-            y = y * ur;
-            if (bias) y = y + bias[j];
-            if (bf16) oh[j] = to_bf16(y); else of[j] = y;
-        }
-    }
-}
-"""
+#: The kernel's C source, beside this module (package data).
+SOURCE = Path(__file__).with_name("fused_digits.c")
 
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 
@@ -141,7 +67,9 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     """Compile the kernel for this CPU (or find it compiled) and return the library's path."""
     key = hashlib.blake2b(digest_size=10)
-    key.update(f"{_SOURCE}\0{' '.join(_FLAGS)}\0{cc}\0{platform.machine()}\0"
+    source = SOURCE.read_bytes()
+    key.update(source)
+    key.update(f"\0{' '.join(_FLAGS)}\0{cc}\0{platform.machine()}\0"
                f"{cpuinfo('model name')}\0{cpuinfo('flags')}".encode())
     folder = private_dir(agentspec_home() / "kernels")
     lib = folder / f"digits-{key.hexdigest()}.so"
@@ -149,7 +77,7 @@ def _build(cc: str) -> Path:
         return lib
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src = Path(tmp) / "digits.c"
-        src.write_text(_SOURCE, encoding="utf-8")
+        src.write_bytes(source)
         built = Path(tmp) / "digits.so"
         subprocess.run([cc, *_FLAGS, str(src), "-o", str(built)], check=True,
                        capture_output=True, timeout=120)
@@ -172,7 +100,7 @@ def _load() -> ctypes.CDLL | None:
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # no source, no build, no load
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building the fused digit kernel failed (%s%s): w8a8/w8a16 digits "
                         "run as torch operators", exc, f": {detail.decode()[:300]}"
