@@ -87,6 +87,8 @@ def _build(cc: str) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried
+    if _tried:  # every call after the first: no lock on the hot path
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -125,7 +127,7 @@ def quantize(rows: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tenso
     bf16) in one pass: ``(q [digits·m, k] int8, u [m, 1] fp32)``, or ``None`` where the
     kernel is not there or the rows are not its kind (the caller runs the torch operators).
     """
-    lib = _lib if _tried else _load()
+    lib = _load()
     if lib is None or rows.dtype not in _DTYPES or rows.device.type != "cpu":
         return None
     rows = rows.contiguous()
@@ -143,10 +145,10 @@ def combine(acc: torch.Tensor, scales: torch.Tensor, u: torch.Tensor,
             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The outputs ``[m, n]`` in ``dtype`` from the exact int32 sums ``acc``
     ``[digits·m, n]`` (``m`` = ``u``'s rows): ``((254 · high + low) · scales) · u + bias``
-    (one digit: ``(acc · scales) · u + bias``), as :class:`~agentspec.targets.w8a8.
-    W8A8Linear` computes them with torch operators; ``None`` where the kernel is not there
-    or the tensors are not its kind (or there are no rows)."""
-    lib = _lib if _tried else _load()
+    (one digit: ``(acc · scales) · u + bias``), as
+    :meth:`~agentspec.targets.w8a8.W8A8Linear.combine_ops` computes them; ``None`` where
+    the kernel is not there or the tensors are not its kind (or there are no rows)."""
+    lib = _load()
     m = u.shape[0]
     if lib is None or dtype not in _DTYPES or acc.dtype != torch.int32 or m == 0:
         return None

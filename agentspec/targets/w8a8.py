@@ -31,10 +31,10 @@ rows cost, and the two exact sums are recombined element-wise (``254 · high + l
 activations' error shrinks 254-fold, below the weights' own rounding, and a row's bits
 still depend on that row alone. Prefill chunks multiply the dequantized weights in bf16
 instead (:data:`PREFILL_ROWS`), as int8 does: two digits double the product's rows and
-add passes over a chunk. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits` builds its C
-kernel (the digits and the recombination in one call each, the same bits as the torch
-operators here, which run where no compiler is found): there its one-row step costs about
-int8's and its verifies far less.
+add passes over a chunk. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits`
+builds its C kernel (the digits and the recombination in one call each, the same bits as
+the torch operators here, which run where no compiler is found): there its one-row step
+costs about int8's and its verifies far less.
 """
 
 from __future__ import annotations
