@@ -57,12 +57,12 @@ def main() -> None:
     ap.add_argument("--decode-kernels", action="store_true",
                     help="run every row through the precision's decode product (int8: the "
                          "int8 kernel over bf16 rows; w8a16: the two-digit integer product) "
-                         "instead of the prompt path a whole-text forward takes (from 64 "
-                         "rows on both multiply the dequantized weights in bf16)")
+                         "instead of the prompt path a whole-text forward takes (int8 from "
+                         "64 rows on, w8a16 from 256: the dequantized weights in bf16)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.decode_kernels:  # the row count from which a forward takes the prompt path
-        int8.PREFILL_ROWS = w8a8.PREFILL_ROWS = sys.maxsize
+        int8.PREFILL_ROWS = w8a8.W8A16_PREFILL_ROWS = sys.maxsize
     torch.manual_seed(0)
     dtypes = ["float32"] + [d for d in args.dtypes.split(",") if d and d != "float32"]
     ref: list[torch.Tensor] = []

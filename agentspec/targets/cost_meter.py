@@ -76,9 +76,10 @@ class CostMeter:
         live: The live tracker, built on first use (it reads the cost file); ``None`` until
             then.
         measuring: Whether :meth:`measure` runs (its forwards are not observed).
-        adapt_prefill: Whether a prompt's forwards may run with one thread on a busy
-            machine (:meth:`prefill`): set where they were probed to give the same bits
-            with either count (:func:`~agentspec.targets.stable.prompt_thread_invariant`).
+        prefill_rows: Below how many rows a prompt's forwards may run with one thread on
+            a busy machine (:meth:`prefill`; ``None``: any, 0: none): where they were
+            probed to give the same bits with either count
+            (:func:`~agentspec.targets.stable.prompt_thread_rows`).
     """
 
     def __init__(self, kv: ModelKV, name: str, dtype: str, probe: Probe,
@@ -89,7 +90,7 @@ class CostMeter:
                                  kv.max_positions, probe, forms)
         self.live: LiveCost | None = None
         self.measuring = False
-        self.adapt_prefill = False
+        self.prefill_rows: int | None = 0
 
     @property
     def live_cost(self) -> LiveCost:
@@ -143,6 +144,14 @@ class CostMeter:
         pinned = self.kv.stable is not None and self.kv.stable.pin_threads
         threads = (live.threads_for(rows, context) if device == "cpu" and not pinned
                    else live.threads)
+        # The direct decode step's first forward runs twice (its check against
+        # transformers': decoder.py), so it takes about twice a forward's time. Observed,
+        # it would make the thread count it ran with look slow, and the tracker would not
+        # try that count again until the evidence aged out (measured beside a busy
+        # process: one thread 241 ms on that first step, then two threads chosen at 185 ms
+        # a step for ~45 s where one thread took 130).
+        decoder = self.kv.decoder
+        checking = decoder is not None and decoder.usable and not decoder.checked
         before = torch.get_num_threads()
         if threads != before:
             torch.set_num_threads(threads)
@@ -151,21 +160,26 @@ class CostMeter:
             yield
             if device == "cuda":
                 torch.cuda.synchronize()
-            live.observe(rows, context, threads, time.perf_counter() - t0)
+            ran_check = checking and decoder is not None and (decoder.checked
+                                                              or not decoder.usable)
+            if not ran_check:
+                live.observe(rows, context, threads, time.perf_counter() - t0)
         finally:
             if threads != before:
                 torch.set_num_threads(before)
 
     @contextlib.contextmanager
-    def prefill(self) -> Iterator[None]:
-        """Run a prompt's forwards with the thread count the machine's load calls for
-        (:meth:`~agentspec.targets.live_cost.LiveCost.prefill_threads`): beside a busy
-        process one thread feeds a long prompt faster than two on a 2-core machine, two
-        are faster on a quiet one (docs/draft-cost.md). Only where :attr:`adapt_prefill`
-        is set (the bits do not depend on the count); else the process's thread count."""
+    def prefill(self, rows: int) -> Iterator[None]:
+        """Run a prompt's forwards, the longest of ``rows`` rows, with the thread count the
+        machine's load calls for (:meth:`~agentspec.targets.live_cost.LiveCost.
+        prefill_threads`): beside a busy process one thread feeds a long prompt faster than
+        two on a 2-core machine, two are faster on a quiet one (docs/draft-cost.md). Only
+        where forwards of that many rows were probed to give the same bits with either
+        count (:attr:`prefill_rows`); else the process's thread count."""
+        limit = self.prefill_rows
+        exact = limit is None or rows < limit
         threads = (self.live_cost.prefill_threads()
-                   if self.adapt_prefill and self.kv.device == "cpu" and not self.measuring
-                   else None)
+                   if exact and self.kv.device == "cpu" and not self.measuring else None)
         before = torch.get_num_threads()
         if threads is None or threads == before:
             yield

@@ -25,16 +25,36 @@ static const float *row_f32(const void *x, int bf16, int64_t r, int64_t k, float
     return scratch;
 }
 
+/* max |v[i]| (NaN if any is NaN, as torch's amax). A maximum is exact in any order, so
+   it is kept in 16 lanes the compiler vectorizes: one running maximum is a chain of
+   dependent compares, slower than the digits' own loops over the row. */
+static float row_peak(const float *v, int64_t k) {
+    float lane[16] = {0.0f};
+    int nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        for (int j = 0; j < 16; j++) {
+            float a = fabsf(v[i + j]);
+            nan |= a != a;
+            lane[j] = a > lane[j] ? a : lane[j];
+        }
+    }
+    float peak = 0.0f;
+    for (; i < k; i++) {
+        float a = fabsf(v[i]);
+        nan |= a != a;
+        peak = a > peak ? a : peak;
+    }
+    for (int j = 0; j < 16; j++) peak = lane[j] > peak ? lane[j] : peak;
+    return nan ? NAN : peak;
+}
+
 /* quantize_rows: q [digits*m, k] int8 (high digits' rows first), u [m] fp32. */
 void agentspec_quantize(const void *x, int bf16, int64_t m, int64_t k, int digits,
                         int8_t *q, float *u, float *scratch) {
     for (int64_t r = 0; r < m; r++) {
         const float *v = row_f32(x, bf16, r, k, scratch);
-        float peak = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(v[i]);
-            if (a > peak || a != a) peak = a;
-        }
+        float peak = row_peak(v, k);
         if (peak < 1e-30f) peak = 1e-30f;
         int8_t *hi = q + r * k;
         if (digits == 1) {

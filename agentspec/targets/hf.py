@@ -23,14 +23,14 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, int8, linear, stable
+from agentspec.targets import attention, costs, int8, linear, stable, w8a8
 from agentspec.targets.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.cost_meter import CostMeter, cost_key
 from agentspec.targets.kv import ModelKV
 from agentspec.targets.live_cost import LiveCost
 from agentspec.targets.lock import TargetLock
 from agentspec.targets.prefix_cache import PrefixCache
-from agentspec.targets.probe_cache import ProbeCache, is_bool, probe_key
+from agentspec.targets.probe_cache import ProbeCache, is_row_limit, probe_key
 from agentspec.targets.reuse import PrefixReuse, prefix_store
 from agentspec.targets.scoring import Batch, Scorer
 from agentspec.targets.stable import StablePolicy
@@ -70,15 +70,15 @@ class HFTarget:
         lock: Held by every caller for the whole of a request (one KV cache: one request
             at a time, whichever runtime or policy runs it).
 
-    ``adapt_prefill`` lets a prompt's forwards run with one thread on a busy machine; set
-    it only where their bits do not depend on the count (:meth:`load` probes it:
-    :func:`~agentspec.targets.stable.prompt_thread_invariant`).
+    ``prefill_rows`` lets a prompt's forwards of fewer rows (``None``: any) run with one
+    thread on a busy machine; set it only where their bits do not depend on the count
+    (:meth:`load` probes it: :func:`~agentspec.targets.stable.prompt_thread_rows`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str,
                  prefix_cache: PrefixCache | None = None,
                  stable_policy: StablePolicy | None = None,
-                 adapt_prefill: bool = False) -> None:
+                 prefill_rows: int | None = 0) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -103,7 +103,7 @@ class HFTarget:
         self.meter = CostMeter(self.kv, name, dtype if stable_policy is None else f"{dtype}-stable",
                                lambda ctx, repeats, bar: self.measure_costs(ctx, repeats, bar),
                                forms)
-        self.meter.adapt_prefill = adapt_prefill
+        self.meter.prefill_rows = prefill_rows
         self.reuse = PrefixReuse(self.kv, prefix_cache)
         self.scoring = Scorer(self.kv, self.reuse, self.meter)
 
@@ -125,9 +125,10 @@ class HFTarget:
         target = cls(model, tok, files.name, config.dtype, device, store,
                      config.stable_policy(device, model, probes))
         if device == "cpu":  # a busy machine's prefill may then take one thread
-            target.meter.adapt_prefill = probes.value(
-                "prompt_thread_invariant", lambda: stable.prompt_thread_invariant(target.kv),
-                is_bool)
+            switch = w8a8.prefill_switch(model)
+            target.meter.prefill_rows = probes.value(
+                "prompt_thread_rows", lambda: stable.prompt_thread_rows(target.kv, switch),
+                is_row_limit)
         if config.measure_costs:  # here, not inside the first request
             target.measure_cost_curves(progress=True)
         return target
@@ -234,7 +235,8 @@ class HFTarget:
         ``[V]``. A tail after reused KV goes in :data:`PREFILL_CHUNK`-token forwards (a
         cache-free prefill keeps one forward: it runs the causal kernel); ``cancel`` is
         checked before each."""
-        with self.meter.prefill():  # one thread beside a busy process, where exact
+        longest = min(len(tokens), PREFILL_CHUNK) if chunked else len(tokens)
+        with self.meter.prefill(longest):  # one thread beside a busy process, where exact
             return self._feed_chunks(tokens, chunked, cancel)
 
     def _feed_chunks(self, tokens: list[int], chunked: bool,

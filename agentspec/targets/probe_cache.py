@@ -6,8 +6,8 @@ many rows a row's product stops depending on the row count
 (:func:`~agentspec.targets.stable.invariant_rows`), whether the products' bits depend on
 the thread count (:func:`~agentspec.targets.stable.thread_invariant`), whether decode
 attention's rows depend on either (:func:`~agentspec.targets.stable.attention_invariant`),
-and whether a prompt's forwards do
-(:func:`~agentspec.targets.stable.prompt_thread_invariant`). Together
+and up to how many rows a prompt's forwards do not
+(:func:`~agentspec.targets.stable.prompt_thread_rows`). Together
 they take about 10 s of a 17 s Qwen2.5-Coder-0.5B int8 load on a 2-core machine, at every
 start of a server, a LangChain model or a CLI command, and their answers change only with
 the weights, the precision, the kernels and the machine.
@@ -44,7 +44,7 @@ from agentspec.models import agentspec_home
 from agentspec.targets.costs import read_file, write_file
 from agentspec.targets.fingerprint import cpuinfo, forward_code, hash_tensors
 
-__all__ = ["ProbeCache", "is_bool", "is_rows", "probe_key", "probed"]
+__all__ = ["ProbeCache", "is_bool", "is_row_limit", "is_rows", "probe_key", "probed"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ def is_rows(value: Any) -> bool:
     or ``None`` (no row count tried gives invariant rows)."""
     return value is None or (isinstance(value, int) and not isinstance(value, bool)
                              and value >= 1)
+
+
+def is_row_limit(value: Any) -> bool:
+    """A stored :func:`~agentspec.targets.stable.prompt_thread_rows` result: a row count
+    >= 0, or ``None`` (any row count)."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 0)
 
 
 def probed(cache: ProbeCache | None, name: str, probe: Callable[[], T],

@@ -305,25 +305,41 @@ def attention_rows_invariant(heads: int, kv_heads: int, head_dim: int, dtype: to
     return True
 
 
-def prompt_thread_invariant(kv: Any, lengths: tuple[int, ...] = (70, 40, 9),
-                            seed: int = 0) -> bool:
-    """Whether a prompt's forwards give the same logits with one thread as with the
-    process's thread count: a cold prefill of ``lengths[0]`` random tokens (a forward of
-    many rows, as every chunk of 64 rows or more), then chunks of the other lengths fed
-    after them (tails after reused KV: one of
-    :data:`~agentspec.targets.attention.SPLIT_ROWS` rows or more, whose attention is
-    split, and a short one, which may take other kernels); each chunk's last logits and
-    the keys and values every position left in the cache are compared.
-    Where this holds a prefill may run with one thread on a busy machine without changing
-    an answer (:meth:`~agentspec.targets.cost_meter.CostMeter.prefill`).
+def prompt_thread_rows(kv: Any, switch: int | None = None,
+                       lengths: tuple[int, ...] = (70, 40, 9), seed: int = 0) -> int | None:
+    """Below how many rows a prompt's forwards give the same bits with one thread as with
+    the process's thread count: ``None`` for any row count, 0 for none. Where this allows
+    a forward, a prefill may run with one thread on a busy machine without changing an
+    answer (:meth:`~agentspec.targets.cost_meter.CostMeter.prefill`).
+
+    First a cold prefill of ``lengths[0]`` random tokens (a forward of many rows, as every
+    chunk of 64 rows or more), then chunks of the other lengths fed after them (tails after
+    reused KV: one of :data:`~agentspec.targets.attention.SPLIT_ROWS` rows or more, whose
+    attention is split, and a short one, which may take other kernels); each chunk's last
+    logits and the keys and values every position left in the cache are compared. Where
+    they differ: 0. Where the model's products change kernel at ``switch`` rows, above those
+    lengths (w8a16's integer product leaves for bf16's GEMM:
+    :func:`~agentspec.targets.w8a8.prefill_switch`), a cold forward of ``switch`` rows is
+    compared too: where it differs, ``switch``.
 
     Args:
         kv: The target's :class:`~agentspec.targets.kv.ModelKV` (its cache is left
             empty).
+        switch: The row count at which the products change kernel, if above ``lengths``.
     """
+    if torch.get_num_threads() == 1:
+        return None
+    if not _prompt_agrees(kv, lengths, seed):
+        return 0
+    if switch is not None and not _prompt_agrees(kv, (switch,), seed):
+        return switch
+    return None
+
+
+def _prompt_agrees(kv: Any, lengths: tuple[int, ...], seed: int) -> bool:
+    """Whether chunks of ``lengths`` fed from an empty cache give the same logits and keys
+    and values with one thread as with the process's count."""
     threads = torch.get_num_threads()
-    if threads == 1:
-        return True
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, kv.vocab, (sum(lengths),), generator=gen).tolist()
     outs = []

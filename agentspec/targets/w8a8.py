@@ -29,9 +29,11 @@ number of its row, split into a high and a low int8 digit (:func:`quantize_rows`
 ``digits=2``); a forward's m rows go to ``_int_mm`` as 2m rows, which costs about what m
 rows cost, and the two exact sums are recombined element-wise (``254 · high + low``). The
 activations' error shrinks 254-fold, below the weights' own rounding, and a row's bits
-still depend on that row alone. Prefill chunks multiply the dequantized weights in bf16
-instead (:data:`PREFILL_ROWS`), as int8 does: two digits double the product's rows and
-add passes over a chunk. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits`
+still depend on that row alone. Prefill chunks of :data:`W8A16_PREFILL_ROWS` rows or
+more multiply the dequantized weights in bf16 instead, as int8's do: two digits double
+the product's rows. Shorter chunks (most tails after reused KV) keep the integer product,
+whose bits do not depend on the thread count, so a busy machine may feed them with one
+thread. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits`
 builds its C kernel (the digits and the recombination in one call each, the same bits as
 the torch operators here, which run where no compiler is found): there its one-row step
 costs about int8's and its verifies far less.
@@ -47,8 +49,9 @@ from agentspec.errors import ConfigError
 from agentspec.targets import fused_digits
 from agentspec.targets.attention import STABLE_STEP
 
-__all__ = ["LOW", "PREFILL_ROWS", "SharedInput", "W8A8Linear", "dequantized", "quantize_ops",
-           "quantize_rows", "quantize_weight", "stack_layers", "supported"]
+__all__ = ["LOW", "PREFILL_ROWS", "W8A16_PREFILL_ROWS", "SharedInput", "W8A8Linear",
+           "dequantized", "prefill_switch", "quantize_ops", "quantize_rows", "quantize_weight",
+           "stack_layers", "supported"]
 
 #: The low activation digit's weight under ``w8a16``: a unit of the high digit is worth
 #: this many of the low one. 254, not 256: the remainder after the high digit is at most
@@ -58,10 +61,17 @@ LOW = 254.0
 #: From this many rows on, a forward outside a decode step (a prefill chunk) multiplies the
 #: dequantized bf16 weights instead, under ``int8`` (whose kernel's cost grows with the
 #: rows much faster than bf16's GEMM: on a 2-core AVX-512 machine, Qwen's MLP shape over
-#: 512 rows, 29 ms against 13.5 with the dequantization included; over 32 rows they tie)
-#: and ``w8a16`` (whose two digits cost ~10 elementwise passes over a chunk). ``w8a8``
-#: keeps its integer product there (faster than bf16's GEMM over many rows).
+#: 512 rows, 29 ms against 13.5 with the dequantization included; over 32 rows they tie).
+#: ``w8a8`` keeps its integer product there (faster than bf16's GEMM over many rows).
 PREFILL_ROWS = 64
+
+#: ``w8a16``'s :data:`PREFILL_ROWS`. Its integer product over a chunk's rows as two digits
+#: (the digits and their recombination in C, the product ``_int_mm``'s) costs what the
+#: dequantization and bf16's GEMM cost up to ~200 rows and more from there (docs/
+#: cpu_step.md), and unlike that GEMM it gives the same bits with any thread count: below
+#: this, a prompt's forwards may run with one thread beside a busy process
+#: (:func:`~agentspec.targets.stable.prompt_thread_rows`).
+W8A16_PREFILL_ROWS = 256
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,13 +267,13 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]``: ``[..., out]`` in ``x``'s dtype."""
-        if (self.shared.digits == 2 and x.numel() >= PREFILL_ROWS * self.in_features
+        if (self.shared.digits == 2 and x.numel() >= W8A16_PREFILL_ROWS * self.in_features
                 and not STABLE_STEP.get()):
-            # A prefill chunk under w8a16: bf16's GEMM over the dequantized weights, as
-            # int8 does. Two digits make the integer product one of twice the rows, plus
-            # passes over the chunk's rows and outputs (~10 as torch operators, measured
-            # 4.5x slower over a 1,750-token prompt; one single-threaded C pass each with
-            # the kernel). Never inside a decode forward, whose rows must take one kernel.
+            # A long prefill chunk under w8a16: bf16's GEMM over the dequantized weights,
+            # as int8 does. Two digits make the integer product one of twice the rows,
+            # plus a single-threaded C pass over the chunk's rows and one over its outputs
+            # (without the kernel, ~10 torch operators: 4.5x slower over a 1,750-token
+            # prompt). Never inside a decode forward, whose rows must take one kernel.
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight,
                                            None if self.bias is None
                                            else self.bias.to(torch.bfloat16))
@@ -309,3 +319,13 @@ def supported() -> bool:
     """Whether this torch build has the CPU int8 × int8 product."""
     return hasattr(torch, "_int_mm")
 
+
+
+def prefill_switch(model: torch.nn.Module) -> int | None:
+    """The row count from which ``model``'s prompt forwards leave the integer product for
+    bf16's GEMM, where that is above the prompt probe's own lengths: :data:`W8A16_PREFILL_ROWS`
+    for a model with w8a16 layers, else ``None`` (int8 switches at :data:`PREFILL_ROWS`,
+    inside what the probe feeds; w8a8 and unquantized models never switch)."""
+    if any(isinstance(m, W8A8Linear) and m.shared.digits == 2 for m in model.modules()):
+        return W8A16_PREFILL_ROWS
+    return None

@@ -133,6 +133,29 @@ def test_a_decoder_that_raises_is_dropped(monkeypatch: pytest.MonkeyPatch) -> No
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("differs", [False, True])
+def test_the_checked_first_step_is_not_timed(monkeypatch: pytest.MonkeyPatch,
+                                              differs: bool) -> None:
+    """The first step runs twice (the decoder's, then transformers' to compare): its time
+    is no forward's, so the live cost tracker does not record it; the steps after it are
+    recorded, whether the check passed or dropped the decoder."""
+    model = _model("llama", "bfloat16")
+    target = _target(model, "bfloat16")
+    if differs:
+        real = decoder_mod._rms_norm
+        monkeypatch.setattr(decoder_mod, "_rms_norm", lambda norm, x: real(norm, x) * 1.01)
+    live = target.live_cost
+    seen: list[int] = []
+    monkeypatch.setattr(live, "observe", lambda k, *_args: seen.append(k))
+    target.prefill(list(range(2, 42)))
+    target.score([5])
+    dec = target.kv.decoder
+    assert dec is not None and (dec.usable != differs) and seen == []
+    target.score([6, 7])
+    target.score([8])
+    assert seen == [2, 1]
+
+
 def test_only_the_family_on_the_cpu_gets_one() -> None:
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -71,6 +71,27 @@ def test_every_high_digit_matches() -> None:
     assert int(q.abs().max()) <= 127
 
 
+def test_the_peak_is_found_wherever_it_sits() -> None:
+    # The kernel keeps the row's maximum in 16 lanes and a tail: a peak in any lane or in
+    # the tail, negative or positive, sets the scale; a NaN anywhere makes it NaN.
+    torch.manual_seed(3)
+    k = 16 * 3 + 5
+    for at in range(k):
+        for sign in (1.0, -1.0):
+            rows = torch.rand(2, k) - 0.5
+            rows[0, at] = 40.0 * sign
+            fused = fused_digits.quantize(rows, 2)
+            assert fused is not None
+            q, u = quantize_ops(rows, 2)
+            assert torch.equal(fused[0], q) and torch.equal(fused[1], u), (at, sign)
+    rows = torch.rand(2, k)
+    rows[0, 20] = float("nan")
+    fused = fused_digits.quantize(rows, 1)
+    assert fused is not None
+    u = quantize_ops(rows, 1)[1]
+    assert bool(fused[1][0].isnan()) and bool(u[0].isnan()) and torch.equal(fused[1][1], u[1])
+
+
 def test_a_transposed_input_is_read_as_its_values() -> None:
     rows = torch.randn(40, 6).t()  # not contiguous
     fused = fused_digits.quantize(rows, 2)

@@ -221,39 +221,51 @@ def test_prefill_follows_the_pooled_verify_evidence() -> None:
     assert frozen.prefill_threads() == 2
 
 
-@pytest.mark.parametrize("adapt", [True, False])
+@pytest.mark.parametrize("limit", [None, 0, 50])
 def test_a_prefill_runs_with_the_threads_the_load_calls_for(
-        tiny_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, adapt: bool) -> None:
-    """Where the prompt probe passed, a prefill (cold and a tail after reused KV) runs
-    with the count the live tracker picks, and the count is restored after it."""
+        tiny_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch,
+        limit: int | None) -> None:
+    """A prompt forward of fewer rows than the probe allowed (``None``: any) runs with the
+    count the live tracker picks; a longer one, or any where the probe failed (0), with the
+    process's; the count is restored after it."""
     threads = torch.get_num_threads()
     if threads == 1:
         pytest.skip("one thread: nothing to choose (CI machines have 2)")
     target = HFTarget(copy.deepcopy(tiny_model), None, "tiny-llama", "float32", "cpu",
-                      adapt_prefill=adapt)
+                      prefill_rows=limit)
     monkeypatch.setattr(target.live_cost, "prefill_threads", lambda: 1)
     seen: list[int] = []
     target.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-    target.prefill(list(range(2, 60)))
-    assert seen == [1 if adapt else threads]
+    target.prefill(list(range(2, 60)))  # 58 rows
+    target.prefill(list(range(3, 33)))  # 30 rows
+    assert seen == {None: [1, 1], 0: [threads, threads], 50: [threads, 1]}[limit]
     assert torch.get_num_threads() == threads
     target.score([5])
     assert torch.get_num_threads() == threads
 
 
 def test_the_prompt_probe_sees_thread_dependent_bits(tiny_model: torch.nn.Module) -> None:
-    """The probe passes on the tiny model in int8 and fails where prompt forwards change
-    with the thread count (else it could not fail)."""
+    """The probe passes on the tiny model in int8, fails where prompt forwards change with
+    the thread count (else it could not fail), and where only forwards from the precision's
+    switch on change, allows those below it."""
     from agentspec.targets.int8 import quantize_linears
-    from agentspec.targets.stable import prompt_thread_invariant
+    from agentspec.targets.stable import prompt_thread_rows
 
     if torch.get_num_threads() == 1:
         pytest.skip("one thread: nothing to compare (CI machines have 2)")
     model = copy.deepcopy(tiny_model)
     quantize_linears(model)
     target = HFTarget(model.to(torch.bfloat16), None, "tiny-llama", "int8", "cpu")
-    assert prompt_thread_invariant(target.kv)
+    assert prompt_thread_rows(target.kv) is None
+    assert prompt_thread_rows(target.kv, switch=100) is None
     assert target.num_cached == 0  # the probe leaves the cache empty
     norm = target.model.model.norm
+    # Forwards of 100 rows or more change with the thread count (a kernel switch there).
+    hook = norm.register_forward_hook(
+        lambda _m, _i, out: out * (1 + 1e-3 * torch.get_num_threads())
+        if out.shape[1] >= 100 else out)
+    assert prompt_thread_rows(target.kv) is None  # the lengths probed stay below it
+    assert prompt_thread_rows(target.kv, switch=100) == 100
+    hook.remove()
     norm.register_forward_hook(lambda _m, _i, out: out * (1 + 1e-3 * torch.get_num_threads()))
-    assert not prompt_thread_invariant(target.kv)
+    assert prompt_thread_rows(target.kv, switch=100) == 0

@@ -109,7 +109,7 @@ def test_a_second_load_reads_the_probes_instead_of_running_them(
         return LlamaForCausalLM.from_pretrained(path).eval(), None, ModelFiles(path, path.name)
 
     calls: list[str] = []
-    for name in ("invariant_rows", "thread_invariant", "prompt_thread_invariant"):
+    for name in ("invariant_rows", "thread_invariant", "prompt_thread_rows"):
         real = getattr(stable, name)
 
         def counted(*args: object, _real: object = real, _name: str = name) -> object:
@@ -125,11 +125,11 @@ def test_a_second_load_reads_the_probes_instead_of_running_them(
 
     save(1)
     first = load()
-    assert sorted(calls) == ["invariant_rows", "prompt_thread_invariant", "thread_invariant"]
+    assert sorted(calls) == ["invariant_rows", "prompt_thread_rows", "thread_invariant"]
     second = load()
     assert len(calls) == 3  # nothing probed again
     assert second.kv.stable == first.kv.stable
-    assert second.meter.adapt_prefill == first.meter.adapt_prefill
+    assert second.meter.prefill_rows == first.meter.prefill_rows
     save(2)  # new weights at the same path
     load()
     assert len(calls) == 6

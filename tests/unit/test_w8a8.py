@@ -190,6 +190,34 @@ def test_quantize_keeps_scales_fp32_through_a_cast() -> None:
     assert model.model.norm.weight.dtype == torch.bfloat16  # the rest is cast
 
 
+def test_w8a16_prefill_chunks_switch_to_bf16_at_their_row_count() -> None:
+    """Prompt chunks under W8A16_PREFILL_ROWS rows take the integer product (their bits
+    the same with any thread count), longer ones the dequantized weights in bf16, decode
+    forwards of any length the integer product; prefill_switch names that row count for a
+    model with w8a16 layers only."""
+    from agentspec.targets.attention import STABLE_STEP
+
+    torch.manual_seed(4)
+    layer = W8A8Linear(torch.randn(24, 32), torch.randn(24), digits=2)
+    n = w8a8.W8A16_PREFILL_ROWS
+    x = torch.randn(n, 32).bfloat16()
+    integer = layer._finish(*quantize_rows(x, 2), x.dtype, layer.bias)  # [n, 24]
+    bf16 = torch.nn.functional.linear(x, layer.weight, layer.bias.bfloat16())
+    assert not torch.equal(integer, bf16)  # else this test could not tell them apart
+    assert torch.equal(layer(x[: n - 1]), integer[: n - 1])  # a short chunk
+    assert torch.equal(layer(x), bf16)  # a long one
+    token = STABLE_STEP.set(True)
+    try:
+        assert torch.equal(layer(x), integer)  # a decode forward of as many rows
+    finally:
+        STABLE_STEP.reset(token)
+    assert w8a8.prefill_switch(_w8a8_model(digits=2)) == n
+    assert w8a8.prefill_switch(_w8a8_model(digits=1)) is None
+    int8_only = tiny_llama(layers=1)
+    quantize_linears(int8_only)
+    assert w8a8.prefill_switch(int8_only) is None
+
+
 def test_two_digit_siblings_share_a_two_digit_input() -> None:
     model = tiny_llama(layers=1)
     quantize_linears(model, activations=2)

@@ -172,7 +172,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
             name = f"{m}+reuse" if on else m
             store = PrefixCache(prefix_cache_bytes) if on else None
             tgt = HFTarget(base.model, tok, base.name, base.dtype, base.device, store,
-                           base.kv.stable, adapt_prefill=base.meter.adapt_prefill)
+                           base.kv.stable, prefill_rows=base.meter.prefill_rows)
             if store is not None:
                 stores[name] = store
             variants[name], ceiling = _variant(m, tgt, spec)
