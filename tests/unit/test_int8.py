@@ -90,6 +90,16 @@ def test_int8_speculation_identical_to_plain_int8() -> None:
     assert _mismatches(target) == 0
 
 
+def decode_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` inside a decode step (``STABLE_STEP`` set), as a verify forward runs it."""
+    token = STABLE_STEP.set(True)
+    try:
+        out: torch.Tensor = layer(x)
+        return out
+    finally:
+        STABLE_STEP.reset(token)
+
+
 def test_prefill_rows_take_the_dequantized_weights_and_decode_rows_never_do() -> None:
     torch.manual_seed(1)
     lin = torch.nn.Linear(64, 32, bias=False)
@@ -98,11 +108,7 @@ def test_prefill_rows_take_the_dequantized_weights_and_decode_rows_never_do() ->
     kernel = torch._weight_int8pack_mm(x, q.qweight, q.scales)
     dequant = torch.nn.functional.linear(x, q.weight)
     assert torch.equal(q(x), dequant)  # a prefill chunk
-    token = STABLE_STEP.set(True)
-    try:
-        assert torch.equal(q(x), kernel)  # a decode forward of as many rows
-    finally:
-        STABLE_STEP.reset(token)
+    assert torch.equal(decode_forward(q, x), kernel)  # a decode forward of as many rows
     assert torch.equal(q(x[:5]), kernel[:5])  # few rows: the kernel, whatever the forward
     assert (dequant.float() - kernel.float()).abs().max() <= 0.02 * kernel.float().abs().max()
 

@@ -195,7 +195,7 @@ def test_w8a16_prefill_chunks_switch_to_bf16_at_their_row_count() -> None:
     the same with any thread count), longer ones the dequantized weights in bf16, decode
     forwards of any length the integer product; prefill_switch names that row count for a
     model with w8a16 layers only."""
-    from agentspec.targets.attention import STABLE_STEP
+    from tests.unit.test_int8 import decode_forward
 
     torch.manual_seed(4)
     layer = W8A8Linear(torch.randn(24, 32), torch.randn(24), digits=2)
@@ -206,11 +206,7 @@ def test_w8a16_prefill_chunks_switch_to_bf16_at_their_row_count() -> None:
     assert not torch.equal(integer, bf16)  # else this test could not tell them apart
     assert torch.equal(layer(x[: n - 1]), integer[: n - 1])  # a short chunk
     assert torch.equal(layer(x), bf16)  # a long one
-    token = STABLE_STEP.set(True)
-    try:
-        assert torch.equal(layer(x), integer)  # a decode forward of as many rows
-    finally:
-        STABLE_STEP.reset(token)
+    assert torch.equal(decode_forward(layer, x), integer)  # a decode forward of as many rows
     assert w8a8.prefill_switch(_w8a8_model(digits=2)) == n
     assert w8a8.prefill_switch(_w8a8_model(digits=1)) is None
     int8_only = tiny_llama(layers=1)
