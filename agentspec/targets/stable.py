@@ -331,7 +331,9 @@ def prompt_thread_rows(kv: Any, switch: int | None = None,
         return None
     if not _prompt_agrees(kv, lengths, seed):
         return 0
-    if switch is not None and not _prompt_agrees(kv, (switch,), seed):
+    # A switch past the model's window is never reached: every prompt forward is below it.
+    if switch is not None and switch <= kv.max_positions and not _prompt_agrees(
+            kv, (switch,), seed):
         return switch
     return None
 

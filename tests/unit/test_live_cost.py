@@ -266,6 +266,8 @@ def test_the_prompt_probe_sees_thread_dependent_bits(tiny_model: torch.nn.Module
         if out.shape[1] >= 100 else out)
     assert prompt_thread_rows(target.kv) is None  # the lengths probed stay below it
     assert prompt_thread_rows(target.kv, switch=100) == 100
+    # A switch beyond the model's window is never reached.
+    assert prompt_thread_rows(target.kv, switch=target.kv.max_positions + 1) is None
     hook.remove()
     norm.register_forward_hook(lambda _m, _i, out: out * (1 + 1e-3 * torch.get_num_threads()))
     assert prompt_thread_rows(target.kv, switch=100) == 0
