@@ -151,7 +151,9 @@ class CostMeter:
         # process: one thread 241 ms on that first step, then two threads chosen at 185 ms
         # a step for ~45 s where one thread took 130).
         decoder = self.kv.decoder
-        checking = decoder is not None and decoder.usable and not decoder.checked
+        # The decoder whose check this forward may run (None: no check pending).
+        checking = (decoder if decoder is not None and decoder.usable and not decoder.checked
+                    else None)
         before = torch.get_num_threads()
         if threads != before:
             torch.set_num_threads(threads)
@@ -160,9 +162,8 @@ class CostMeter:
             yield
             if device == "cuda":
                 torch.cuda.synchronize()
-            ran_check = checking and decoder is not None and (decoder.checked
-                                                              or not decoder.usable)
-            if not ran_check:
+            # Still pending after the forward: the check did not run in it.
+            if checking is None or (checking.usable and not checking.checked):
                 live.observe(rows, context, threads, time.perf_counter() - t0)
         finally:
             if threads != before:

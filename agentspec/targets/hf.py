@@ -235,13 +235,13 @@ class HFTarget:
         ``[V]``. A tail after reused KV goes in :data:`PREFILL_CHUNK`-token forwards (a
         cache-free prefill keeps one forward: it runs the causal kernel); ``cancel`` is
         checked before each."""
-        longest = min(len(tokens), PREFILL_CHUNK) if chunked else len(tokens)
-        with self.meter.prefill(longest):  # one thread beside a busy process, where exact
-            return self._feed_chunks(tokens, chunked, cancel)
+        step = PREFILL_CHUNK if chunked else len(tokens)  # tokens per forward
+        # one thread beside a busy process, where forwards this long are exact
+        with self.meter.prefill(min(len(tokens), step)):
+            return self._feed_chunks(tokens, step, cancel)
 
-    def _feed_chunks(self, tokens: list[int], chunked: bool,
+    def _feed_chunks(self, tokens: list[int], step: int,
                      cancel: threading.Event | None) -> torch.Tensor:
-        step = PREFILL_CHUNK if chunked else len(tokens)
         if len(tokens) <= step:
             check_cancel(cancel, _CANCELLED)
             return self.scoring.feed(tokens, last_only=True)[-1]

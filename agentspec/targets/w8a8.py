@@ -320,7 +320,6 @@ def supported() -> bool:
     return hasattr(torch, "_int_mm")
 
 
-
 def prefill_switch(model: torch.nn.Module) -> int | None:
     """The row count from which ``model``'s prompt forwards leave the integer product for
     bf16's GEMM, where that is above the prompt probe's own lengths: :data:`W8A16_PREFILL_ROWS`
