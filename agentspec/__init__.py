@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
     from agentspec.runtime import Runtime
     from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
     from agentspec.storage.sessions import SessionStore, StoreConfig, open_store
+    from agentspec.targets.cache.prefix_cache import PrefixCache
     from agentspec.targets.hf import HFTarget, TargetConfig
-    from agentspec.targets.prefix_cache import PrefixCache
     from agentspec.types import (
         Draft,
         DraftContext,
@@ -94,7 +94,7 @@ _EXPORTS: dict[str, str] = {
     "ResultStream": "agentspec.chat.stream",
     "HFTarget": "agentspec.targets.hf",
     "TargetConfig": "agentspec.targets.hf",
-    "PrefixCache": "agentspec.targets.prefix_cache",
+    "PrefixCache": "agentspec.targets.cache.prefix_cache",
     "build_drafter": "agentspec.factory",
     "build_engine": "agentspec.factory",
     "SpeculativeDecoder": "agentspec.engine",

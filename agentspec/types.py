@@ -354,7 +354,7 @@ class RequestStats:
     Attributes:
         prompt_tokens: Tokens in the prompt.
         cached_prompt_tokens: Prompt tokens whose KV was reused from earlier requests
-            (not fed to the target; see :mod:`agentspec.targets.prefix_cache`).
+            (not fed to the target; see :mod:`agentspec.targets.cache.prefix_cache`).
         generated_tokens: Tokens committed to the output.
         forwards: Target forward passes (prefill excluded; one per decode step).
         prefill_s: Seconds spent on the prompt forward (reuse included): the time to

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentspec.targets import int8, w8a8
 from agentspec.targets.hf import HFTarget, TargetConfig
+from agentspec.targets.kernels import int8, w8a8
 from workflows.replay.logs import load_sessions
 
 TRACES = Path(__file__).resolve().parents[1] / "workflows/data/swe_agent_traces"

@@ -97,7 +97,7 @@ class ChatAgentSpec(BaseChatModel):
         dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` (int8 weight-only
             layers, CPU only), ``w8a8`` (int8 weights and activations, CPU only),
             ``w8a16`` (int8 weights, activations as two int8 digits, CPU only) or
-            ``auto`` (w8a16 on an AVX-512 CPU with a C compiler, int8 on one without,
+            ``auto`` (w8a16 on a CPU whose torch has the int8 product, AVX-512 or AVX2,
             else fp32); output identical to plain greedy
             decoding in that precision.
         tool_format: The model's tool-call format: ``hermes``, ``llama3_json``,

@@ -15,7 +15,7 @@ from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfi
 from agentspec.cli.args import add_device_arg, add_dtype_arg, non_negative_int, positive_int
 from agentspec.errors import AgentSpecError
 
-# agentspec.targets.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB, the floor of the default
+# agentspec.targets.cache.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB, the floor of the default
 # (auto-sized) budget (a unit test checks it);
 # not imported here: that module pulls in torch, and a refused bind must fail in ms.
 DEFAULT_PREFIX_CACHE_MB = 1024

@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from agentspec.requests import RequestStates
 from agentspec.storage.health import STORE_FAILURE_REASONS, CountingStore
-from agentspec.targets.prefix_cache import PrefixCache
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.types import RequestStats
 
 PREFIX = "agentspec:"

@@ -15,7 +15,7 @@ this project's machines; on GPUs small drafts are nearly free, use ~0.01). Where
 served model's curve has been measured, ``AGENTSPEC_VLLM_COST_CURVE`` names a JSON file
 of it instead (:func:`load_cost_curve`): ``{"k": cost}`` for the measured forward lengths
 k (any unit: only ratios matter), or an agentspec cost file (its ``"costs"`` curve), read
-between the measured points as :func:`agentspec.targets.costs.interpolate` reads a target's.
+between the measured points as :func:`agentspec.targets.cost.costs.interpolate` reads a target's.
 A straight line misprices a real curve (on GPUs c(k) is nearly flat up to some k, then
 steps up), and the cut k is chosen on it. Setting both variables is refused.
 
@@ -50,7 +50,7 @@ from agentspec.payoff.features import TokenTable, features
 from agentspec.payoff.labels import ShadowLabels
 from agentspec.payoff.policy import CACHE, CostAwarePolicy
 from agentspec.payoff.predictor import PayoffPredictor
-from agentspec.targets.costs import Curve, interpolate
+from agentspec.targets.cost.costs import Curve, interpolate
 from agentspec.types import Draft
 
 # The variables this module reads (declared, with their defaults, in adapters/vllm/envs.py).

@@ -35,8 +35,8 @@ def add_dtype_arg(parser: argparse.ArgumentParser, default: str = "float32") -> 
                              "little more than one row; answers drift further from float32's), "
                              "w8a16 (int8 weights, activations as two int8 digits, CPU only: "
                              "w8a8's cheap verifies at int8's closeness to float32) "
-                             "or auto (w8a16 on an AVX-512 CPU with a C compiler, int8 on "
-                             "one without, else float32); each exact "
+                             "or auto (w8a16 on a CPU whose torch has the int8 product, "
+                             "AVX-512 or AVX2 alike, else float32); each exact "
                              "against plain decoding in the same "
                              f"precision (docs/cpu_step.md; default {default})")
 

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_drive_parser(sub)
 
+    from workflows.bench.llamacpp_bench import add_peer_parser
+
+    add_peer_parser(sub)
+
     gen = sub.add_parser("generate", help="answer one prompt with a model (default: embedded)",
                          description="Chat-completes one user message and prints the answer "
                                      "and its speculative-decoding numbers.")
@@ -196,11 +200,16 @@ def _run_models() -> int:
     for row in model_rows():
         state = ("converted" if row["converted"] else "installed, converted on first use"
                  if row["installed"] else "not installed")
+        if row["converted"] and row["weights"] != "fp32 safetensors":
+            state += (", int8 snapshot on disk" if row["snapshot"]
+                      else ", int8 snapshot written at its first int8 load")
         default = " (default)" if row["default"] else ""
         print(f"{row['name']}{default}: {state}\n  {row['summary']}; licence {row['licence']}"
-              f"\n  folder: {row['folder']}")
+              f"\n  folder: {row['folder']} ({row['weights']}, "
+              f"{row['disk_bytes'] / 1e9:.2f} GB on disk)")
         if not row["installed"]:
-            print(f"  install: {row['install']}")
+            make = f" (or `make {row['make']}`)" if row["make"] else ""
+            print(f"  install: {row['install']}{make}")
     return 0
 
 
@@ -242,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             from workflows.bench.driven import run_drive_cli
 
             return run_drive_cli(args)
+        if args.command == "peer":
+            from workflows.bench.llamacpp_bench import run_peer_cli
+
+            return run_peer_cli(args)
         if args.command == "sessions":
             from agentspec.cli.sessions import run_sessions
 

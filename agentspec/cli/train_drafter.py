@@ -13,7 +13,7 @@ token ids of the target's tokenizer, ``{"tokens": [...], "prompt_len": 12, "mode
 target).
 
 ``--kind eagle --device DEV`` runs the self-distillation recipe instead; its options and
-its run live in :mod:`agentspec.training.eagle_scale_run`.
+its run live in :mod:`agentspec.training.eagle.command`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from agentspec.errors import ConfigError, TrainingDataError
 from agentspec.tokens import eos_ids
 from agentspec.training.corpus import DrafterData, TeacherSeq
 from agentspec.training.drafter import TrainDrafterConfig
-from agentspec.training.eagle_scale_run import add_self_distill_arguments, run_self_distill
+from agentspec.training.eagle.command import add_self_distill_arguments, run_self_distill
 
 __all__ = [
     "DrafterData",

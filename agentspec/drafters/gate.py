@@ -3,7 +3,7 @@ expected to commit the most tokens per second at the request's context length.
 
 Why. Verifying ``k`` draft tokens costs one forward over ``k + 1`` tokens, c(k + 1, L), and
 over a long context that cost grows steeply with k: every verified token attends to the
-whole cache, accepted or not (:mod:`agentspec.targets.costs`). On real agent sessions
+whole cache, accepted or not (:mod:`agentspec.targets.cost.costs`). On real agent sessions
 many cache drafts are refuted at their first token, mostly those from short suffix matches,
 and verifying such a draft whole costs several plain steps; so a draft is verified only as
 far as its expected committed tokens pay for the forward, priced at the request's context

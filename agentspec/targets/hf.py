@@ -6,10 +6,10 @@ decoding. bf16 is an opt-in fast mode whose numerics depend on batch shape, so i
 divergence is measured rather than promised.
 
 :class:`HFTarget` owns one request's state and composes the parts that act on it:
-:class:`~agentspec.targets.kv.ModelKV` (the model, its KV cache and every forward),
-:class:`~agentspec.targets.reuse.PrefixReuse` (the token ids the cache holds and their reuse
-through the prefix store), :class:`~agentspec.targets.scoring.Scorer` (chain, tree and batch
-scoring, with the cache's state explicit) and :class:`~agentspec.targets.cost_meter.CostMeter`
+:class:`~agentspec.targets.forward.kv.ModelKV` (the model, its KV cache and every forward),
+:class:`~agentspec.targets.request.reuse.PrefixReuse` (the token ids the cache holds and their reuse
+through the prefix store), :class:`~agentspec.targets.request.scoring.Scorer` (chain, tree and batch
+scoring, with the cache's state explicit) and :class:`~agentspec.targets.cost.cost_meter.CostMeter`
 (the measured cost curves, their file and the live correction).
 """
 
@@ -23,18 +23,22 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets import attention, costs, int8, linear, stable, w8a8
-from agentspec.targets.cost_curves import CostCurves, FormsProbe
-from agentspec.targets.cost_meter import CostMeter, cost_key
-from agentspec.targets.kv import ModelKV
-from agentspec.targets.live_cost import LiveCost
-from agentspec.targets.lock import TargetLock
-from agentspec.targets.prefix_cache import PrefixCache
-from agentspec.targets.probe_cache import ProbeCache, is_row_limit, probe_key
-from agentspec.targets.reuse import PrefixReuse, prefix_store
-from agentspec.targets.scoring import Batch, Scorer
-from agentspec.targets.stable import StablePolicy
-from agentspec.targets.target_config import QUANTIZED
+from agentspec.targets.cache.prefix_cache import PrefixCache
+from agentspec.targets.cost import costs
+from agentspec.targets.cost.cost_curves import CostCurves, FormsProbe
+from agentspec.targets.cost.cost_meter import CostMeter, cost_key
+from agentspec.targets.cost.live_cost import LiveCost
+from agentspec.targets.forward import attention
+from agentspec.targets.forward.kv import ModelKV
+from agentspec.targets.forward.shapes import StablePolicy
+from agentspec.targets.kernels import int8, linear, w8a8
+from agentspec.targets.kernels.precision import QUANTIZED, activation_dtype
+from agentspec.targets.probes.policy import stable_policy
+from agentspec.targets.probes.probe_cache import ProbeCache, is_row_limit, probe_key
+from agentspec.targets.probes.prompt import prompt_thread_rows
+from agentspec.targets.request.lock import TargetLock
+from agentspec.targets.request.reuse import PrefixReuse, prefix_store
+from agentspec.targets.request.scoring import Batch, Scorer
 from agentspec.targets.target_config import TargetConfig as TargetConfig  # re-exported
 
 #: Tokens per forward when a prompt's tail is fed after reused KV. One forward over the
@@ -72,7 +76,7 @@ class HFTarget:
 
     ``prefill_rows`` lets a prompt's forwards of fewer rows (``None``: any) run with one
     thread on a busy machine; set it only where their bits do not depend on the count
-    (:meth:`load` probes it: :func:`~agentspec.targets.stable.prompt_thread_rows`).
+    (:meth:`load` probes it: :func:`~agentspec.targets.probes.prompt.prompt_thread_rows`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, name: str, dtype: str, device: str,
@@ -110,12 +114,25 @@ class HFTarget:
     @classmethod
     def load(cls, config: TargetConfig | None = None) -> HFTarget:
         """Load the model named by ``config`` (the embedded model by default)."""
+        from agentspec.targets.kernels import snapshot
+
         config = config or TargetConfig()
         device = config.resolved_device()
-        model, tok, files = load_model_and_tokenizer(config.model, config.load_dtype, device)
-        if config.dtype in QUANTIZED:  # from the fp32 weights; raises off the CPU
-            int8.quantize_linears(model, activations=QUANTIZED[config.dtype])
-            model.to(torch.bfloat16)  # the rest (embedding, norms) in bf16; int8 stays int8
+        digits = QUANTIZED.get(config.dtype)
+        # A model whose weights are slow to read (the 1.5B, dequantised from its GGUF) loads
+        # its int8 precisions from a snapshot: the tensors quantizing at load gives.
+        loaded = None if digits is None else snapshot.load_quantized(config.model, digits)
+        if loaded is not None:
+            model, tok, files = loaded
+        else:
+            model, tok, files = load_model_and_tokenizer(config.model, config.load_dtype,
+                                                         device)
+            if digits is not None:  # from the fp32 weights; raises off the CPU
+                int8.quantize_linears(model, activations=digits)
+        if digits is not None:
+            # The rest (embedding, norms, attention, KV) in bf16 where it is native, else
+            # fp32 (w8a8/w8a16; int8's kernel takes bf16 rows); int8 weights stay int8.
+            model.to(torch.bfloat16 if digits == 0 else activation_dtype())
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
         # The load-time probes' answers, kept per model, precision, forward shapes (the
@@ -123,11 +140,11 @@ class HFTarget:
         probes = ProbeCache(probe_key(cost_key(
             files.name, model, f"{config.dtype}-stable{config.shape_stable}", device), model))
         target = cls(model, tok, files.name, config.dtype, device, store,
-                     config.stable_policy(device, model, probes))
+                     stable_policy(config, device, model, probes))
         if device == "cpu":  # a busy machine's prefill may then take one thread
             switch = w8a8.prefill_switch(model)
             target.meter.prefill_rows = probes.value(
-                "prompt_thread_rows", lambda: stable.prompt_thread_rows(target.kv, switch),
+                "prompt_thread_rows", lambda: prompt_thread_rows(target.kv, switch),
                 is_row_limit)
         if config.measure_costs:  # here, not inside the first request
             target.measure_cost_curves(progress=True)
@@ -331,7 +348,7 @@ class HFTarget:
         """Drop the last ``n`` cached positions (exact: later logits equal a fresh run's)."""
         self.scoring.rollback(n)
 
-    # -- what a forward costs (agentspec.targets.cost_meter) -------------------------------
+    # -- what a forward costs (agentspec.targets.cost.cost_meter) -------------------------------
 
     @property
     def curves(self) -> CostCurves:
@@ -361,7 +378,7 @@ class HFTarget:
 
     def context_cost(self, k: int, context: int) -> float:
         """c(k, L) now: seconds of one forward over ``k`` new tokens on a cache of
-        ``context`` positions, the measured curves (:mod:`agentspec.targets.costs`)
+        ``context`` positions, the measured curves (:mod:`agentspec.targets.cost.costs`)
         corrected by the forwards timed since (:attr:`live_cost`). Never measures."""
         return self.meter.context_cost(k, context)
 

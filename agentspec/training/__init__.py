@@ -2,12 +2,11 @@
 
 * :mod:`~agentspec.training.corpus` — the model drafter's training corpus;
 * :mod:`~agentspec.training.drafter` — distilled causal-LM drafter training;
-* :mod:`~agentspec.training.eagle` — EAGLE head training on the target's hidden states;
-* :mod:`~agentspec.training.eagle_scale` — the EAGLE self-distillation recipe on a device
-  (``train-drafter --device``): :mod:`~agentspec.training.eagle_prompts` (prompts),
-  :mod:`~agentspec.training.eagle_selfgen` (generation and features),
-  :mod:`~agentspec.training.eagle_fit` (training and evaluation),
-  :mod:`~agentspec.training.eagle_scale_run` (its command-line side);
+* :mod:`~agentspec.training.eagle` — EAGLE head training on the target's hidden states: one
+  loss, batching, fit loop and evaluation (``loss``, ``data``, ``fit``, ``evaluate``) under
+  two recipes, the CPU one on teacher sequences (``train``) and self-distillation on a
+  device (``train-drafter --device``: ``recipe``, with ``prompts``, ``selfgen``, ``head``,
+  ``report``, and its command-line side ``command``);
 * :mod:`~agentspec.training.payoff_traces` — greedy trace files (generate, validate, read);
 * :mod:`~agentspec.training.payoff_replay` — trace replay into oracle accepted lengths, the
   session-level split, τ selection and quality numbers;

@@ -1,4 +1,4 @@
-"""A loaded machine runs one-row steps with one thread (agentspec.targets.live_cost): on the
+"""A loaded machine runs one-row steps with one thread (agentspec.targets.cost.live_cost): on the
 shipped models a one-row forward's logits are the same bits with one thread or all, at short
 and long contexts, so plain decoding, the reference of every lossless guarantee, does not
 change; and a plain decode with every step forced to one thread says what greedy says."""
@@ -12,8 +12,8 @@ import torch
 
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.targets.cost.live_cost import LiveCost
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.live_cost import LiveCost
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import SessionRef
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from adapters.openai_server.auth import KeyRing
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
 from agentspec.storage.sessions import SessionStore
-from agentspec.targets.live_cost import LiveCost, LiveCostConfig
+from agentspec.targets.cost.live_cost import LiveCost, LiveCostConfig
 from agentspec.types import SessionRef
 
 pytestmark = pytest.mark.integration

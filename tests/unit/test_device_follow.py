@@ -33,7 +33,7 @@ from agentspec.drafters.model.distilled import (
 from agentspec.drafters.model.eagle import EagleConfig, EagleDrafter, build_head
 from agentspec.drafters.model.eagle_head import HeadCache, HeadSpec
 from agentspec.errors import ConfigError, DeviceUnavailableError
-from agentspec.targets.prefix_cache import (
+from agentspec.targets.cache.prefix_cache import (
     DEFAULT_PREFIX_CACHE_BYTES,
     MAX_AUTO_PREFIX_CACHE_BYTES,
     PrefixCache,
@@ -278,7 +278,7 @@ def test_auto_budget_reads_this_machine_and_follows_the_device(monkeypatch: Any)
     assert avail is None or avail > 0
     assert DEFAULT_PREFIX_CACHE_BYTES // 2 <= default_prefix_cache_bytes("cpu") \
         <= MAX_AUTO_PREFIX_CACHE_BYTES
-    import agentspec.targets.prefix_cache as pc
+    import agentspec.targets.cache.prefix_cache as pc
 
     seen: list[str] = []
 

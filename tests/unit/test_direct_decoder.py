@@ -2,7 +2,7 @@
 aside where it cannot.
 
 Each model here runs the same shape-stable decode twice, once through
-:class:`~agentspec.targets.decoder.DirectDecoder` and once with it removed (transformers'
+:class:`~agentspec.targets.forward.decoder.DirectDecoder` and once with it removed (transformers'
 forward), and every logit, key and value must be the same bits: a Llama (SmolLM2's
 architecture) and a Qwen2 (biased q/k/v projections, Qwen2.5-Coder's), in bf16, int8 and
 w8a8. A decoder that computes something else, or raises, is dropped at its first step
@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from agentspec.targets import attention, int8
-from agentspec.targets import decoder as decoder_mod
-from agentspec.targets.decoder import DirectDecoder
+from agentspec.targets.forward import attention
+from agentspec.targets.forward import decoder as decoder_mod
+from agentspec.targets.forward.decoder import DirectDecoder
+from agentspec.targets.forward.shapes import StablePolicy
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.stable import StablePolicy
-from agentspec.targets.target_config import QUANTIZED
+from agentspec.targets.kernels import int8
+from agentspec.targets.kernels.precision import QUANTIZED
 from tests.conftest import TINY_VOCAB, tiny_llama
 
 POLICY = StablePolicy(min_rows=1, align=512)
@@ -104,7 +105,7 @@ def test_a_decoder_that_differs_is_dropped_at_its_first_step(
     real = decoder_mod._rms_norm
     monkeypatch.setattr(decoder_mod, "_rms_norm",
                         lambda norm, x: real(norm, x) * 1.01)  # another model
-    with caplog.at_level(logging.WARNING, logger="agentspec.targets.decoder"):
+    with caplog.at_level(logging.WARNING, logger="agentspec.targets.forward.decoder"):
         got, got_kv = _steps(wrong)
     dec = wrong.kv.decoder
     assert dec is not None and not dec.usable and "differ" in (dec.failed or "")

@@ -1,5 +1,5 @@
 """The draft gate (agentspec.drafters.gate) and the context-aware cost curve it prices with
-(agentspec.targets.costs): decisions, calibration, tenant isolation, losslessness."""
+(agentspec.targets.cost.costs): decisions, calibration, tenant isolation, losslessness."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from agentspec.errors import AgentSpecError
 from agentspec.factory import build_drafter, build_engine
 from agentspec.payoff.estimators import POSITION_GROUPS, DecayedSurvival, position_group
 from agentspec.spec import AgentSpec, DraftingPolicy, VerifierPolicy
-from agentspec.targets import costs
-from agentspec.targets.cost_curves import CostCurves
-from agentspec.targets.linear import ProductForms
+from agentspec.targets.cost import costs
+from agentspec.targets.cost.cost_curves import CostCurves
+from agentspec.targets.kernels.linear import ProductForms
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 from tests.conftest import TINY_VOCAB
 
@@ -410,7 +410,7 @@ def test_the_measurement_times_a_glitch_again(tiny_target,  # type: ignore[no-un
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A point slowed while it was timed is timed again and the lower median kept (a fake
     clock: each forward over k rows "takes" 1 + k/10 s, the first five of 24 rows 50 s)."""
-    from agentspec.targets import cost_meter
+    from agentspec.targets.cost import cost_meter
 
     clock = [0.0]
     slow = [5]

@@ -14,9 +14,9 @@ import torch
 from agentspec.drafters.model.eagle import EagleConfig, EagleDrafter, build_head
 from agentspec.drafters.model.eagle_head import HeadSpec
 from agentspec.engine import EngineConfig, SpeculativeDecoder
+from agentspec.targets.cache.kv_spill import KVSpill
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.kv_spill import KVSpill
-from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import Draft, DraftContext, SessionRef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -299,7 +299,7 @@ def test_the_budget_counts_feature_rows(tiny_model: Any) -> None:
 
 def test_the_feature_log_grows_cuts_and_forgets() -> None:
     from agentspec.errors import ConfigError
-    from agentspec.targets.block_features import FeatureLog
+    from agentspec.targets.cache.block_features import FeatureLog
 
     rows = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)
     log = FeatureLog()

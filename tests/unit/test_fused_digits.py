@@ -6,17 +6,35 @@ taking over when it is switched off."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from agentspec.targets import fused_digits, w8a8
-from agentspec.targets.int8 import quantize_linears
-from agentspec.targets.w8a8 import W8A8Linear, quantize_ops
+from agentspec.targets.kernels import fused_digits, native, w8a8
+from agentspec.targets.kernels.int8 import quantize_linears
+from agentspec.targets.kernels.w8a8 import W8A8Linear, quantize_ops
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.skipif(not (w8a8.supported() and fused_digits.available()),
-                                reason="torch lacks torch._int_mm or no C compiler here")
+pytestmark = pytest.mark.skipif(not w8a8.supported(), reason="torch lacks torch._int_mm")
+
+
+def test_the_kernel_is_built_at_install() -> None:
+    """``pip install`` (``make venv``) builds the kernel as an extension beside its module
+    and it loads: no compiler is looked for at run time."""
+    path = native.library_path()
+    assert path is not None and path.parent == Path(native.__file__).parent
+    assert fused_digits.available() and native.available()
+
+
+def test_a_profile_shows_the_kernel() -> None:
+    """Each C call is one named event in ``torch.profiler`` (ctypes calls are otherwise
+    invisible to it)."""
+    rows = torch.randn(2, 64)
+    with torch.profiler.profile() as prof:
+        assert fused_digits.quantize(rows, 2) is not None
+    names = {e.name for e in prof.events()}
+    assert "agentspec::quantize_digits" in names
 
 SHAPES = [(1, 896), (2, 4864), (7, 33), (16, 896), (64, 100), (3, 1)]
 
@@ -32,12 +50,12 @@ def _rows(m: int, k: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
 @pytest.fixture
 def torch_ops() -> Iterator[None]:
     """The kernel switched off for the test's duration (as where no compiler is found)."""
-    lib, tried = fused_digits._lib, fused_digits._tried
-    fused_digits._lib, fused_digits._tried = None, True
+    lib, tried = native._lib, native._tried
+    native._lib, native._tried = None, True
     try:
         yield
     finally:
-        fused_digits._lib, fused_digits._tried = lib, tried
+        native._lib, native._tried = lib, tried
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

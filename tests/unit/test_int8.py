@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from agentspec.errors import ConfigError
-from agentspec.targets import int8
-from agentspec.targets.attention import STABLE_STEP
+from agentspec.targets.base.step_mode import STABLE_STEP
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.int8 import Int8Linear, quantize_linears
-from agentspec.targets.stable import invariant_rows
+from agentspec.targets.kernels import int8
+from agentspec.targets.kernels.int8 import Int8Linear, quantize_linears
+from agentspec.targets.probes.policy import stable_policy
+from agentspec.targets.probes.products import invariant_rows
 from tests.conftest import tiny_llama
 from tests.unit.test_shape_stable import _blocks_vs_one_by_one, _mismatches
 
@@ -70,14 +71,14 @@ def test_config_rules() -> None:
         TargetConfig(dtype="int8", device="cuda").resolved_device()
     with pytest.raises(ConfigError, match="'int4'"):
         TargetConfig(dtype="int4")
-    assert TargetConfig(dtype="int8").stable_policy("cpu") is not None  # on by default
+    assert stable_policy(TargetConfig(dtype="int8"), "cpu") is not None  # on by default
 
 
 def test_int8_kernel_is_probed_and_rows_are_stable() -> None:
     model = _int8_model()
     assert invariant_rows(model) is not None  # the probe reaches the int8 layers
     target = HFTarget(model, None, "flat-int8", "int8", "cpu", None,
-                      TargetConfig(dtype="int8").stable_policy("cpu", model))
+                      stable_policy(TargetConfig(dtype="int8"), "cpu", model))
     assert target.shape_stable
     for k in (2, 5, 9, 20):
         assert _blocks_vs_one_by_one(target, k), k
@@ -86,7 +87,7 @@ def test_int8_kernel_is_probed_and_rows_are_stable() -> None:
 def test_int8_speculation_identical_to_plain_int8() -> None:
     model = _int8_model()
     target = HFTarget(model, None, "flat-int8", "int8", "cpu", None,
-                      TargetConfig(dtype="int8").stable_policy("cpu", model))
+                      stable_policy(TargetConfig(dtype="int8"), "cpu", model))
     assert _mismatches(target) == 0
 
 
@@ -113,18 +114,33 @@ def test_prefill_rows_take_the_dequantized_weights_and_decode_rows_never_do() ->
     assert (dequant.float() - kernel.float()).abs().max() <= 0.02 * kernel.float().abs().max()
 
 
-@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("kernel", [True, False])
-def test_auto_dtype_is_w8a16_or_int8_where_they_are_fast(monkeypatch: pytest.MonkeyPatch,
-                                                         fast: bool, kernel: bool) -> None:
-    from agentspec.targets import fused_digits
+def test_auto_dtype_is_w8a16_on_every_cpu_whatever_the_library(
+        monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
+    """``auto`` is w8a16 on a CPU whose torch has the int8 x int8 product, AVX-512 or not,
+    whether the native library loaded or not (it changes speed, never an answer; a choice
+    that followed it would change answers with the installation)."""
+    from agentspec.targets.kernels import native, w8a8
 
-    monkeypatch.setattr(int8, "fast_here", lambda: fast)
-    monkeypatch.setattr(fused_digits, "available", lambda: kernel)
-    want = ("w8a16" if kernel else "int8") if fast else "float32"
+    monkeypatch.setattr(native, "available", lambda: kernel)
+    want = "w8a16" if w8a8.supported() else "float32"
     assert TargetConfig(dtype="auto", device="cpu").dtype == want
+    monkeypatch.setattr(w8a8, "supported", lambda: False)
+    assert TargetConfig(dtype="auto", device="cpu").dtype == "float32"
     if torch.cuda.is_available():
         assert TargetConfig(dtype="auto", device="cuda").dtype == "float32"
+
+
+def test_bf16_native_is_measured_and_sets_the_activation_dtype(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentspec.targets.base import cpu
+    from agentspec.targets.kernels import precision
+
+    assert isinstance(cpu.bf16_native(), bool)
+    expect = torch.bfloat16 if cpu.bf16_native() else torch.float32
+    assert precision.activation_dtype() == expect
+    monkeypatch.setattr(precision, "bf16_native", lambda: False)
+    assert precision.activation_dtype() == torch.float32
 
 
 def test_cli_takes_int8_and_auto() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from agentspec.targets import attention
+from agentspec.targets.cache.kv_cache import GrowingLayer, StepPlan, new_cache, reusable_layers
+from agentspec.targets.cache.prefix_cache import PrefixCache
+from agentspec.targets.forward import attention
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.kv_cache import GrowingLayer, StepPlan, new_cache, reusable_layers
-from agentspec.targets.prefix_cache import PrefixCache
 from tests.conftest import TINY_VOCAB
 
 
@@ -35,8 +35,8 @@ def _stock_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 class _StockTarget(HFTarget):
     """The target as it was: transformers' DynamicCache (torch.cat per append) and its
     SDPA attention with repeat_kv for multi-row forwards. (Both targets keep the small-rows
-    linear forward of ``agentspec.targets.linear`` and the one-row attention of
-    ``agentspec.targets.attention``: this test is about the cache and the grouped-query
+    linear forward of ``agentspec.targets.kernels.linear`` and the one-row attention of
+    ``agentspec.targets.forward.attention``: this test is about the cache and the grouped-query
     attention; those have their own tests.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentspec.targets.cache.kv_spill import KVSpill
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.kv_spill import KVSpill
-from agentspec.targets.prefix_cache import PrefixCache
 
-LOGGER = "agentspec.targets.kv_spill"
+LOGGER = "agentspec.targets.cache.kv_spill"
 
 
 @pytest.fixture(autouse=True)

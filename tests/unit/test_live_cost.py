@@ -1,4 +1,4 @@
-"""The live cost tracker (agentspec.targets.live_cost): estimates follow the timed forwards,
+"""The live cost tracker (agentspec.targets.cost.live_cost): estimates follow the timed forwards,
 decay back to the prior, explore the other thread count, and the target and the runtime
 use it (a gate that lives across requests, one-row forwards at the process's threads)."""
 
@@ -12,14 +12,14 @@ import torch
 from agentspec.errors import ConfigError
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec, DraftingPolicy
-from agentspec.targets.hf import HFTarget
-from agentspec.targets.live_cost import (
+from agentspec.targets.cost.live_cost import (
     LiveCost,
     LiveCostConfig,
     context_bucket,
     row_bucket,
     safe_prior,
 )
+from agentspec.targets.hf import HFTarget
 from agentspec.types import SessionRef
 
 
@@ -248,8 +248,8 @@ def test_the_prompt_probe_sees_thread_dependent_bits(tiny_model: torch.nn.Module
     """The probe passes on the tiny model in int8, fails where prompt forwards change with
     the thread count (else it could not fail), and where only forwards from the precision's
     switch on change, allows those below it."""
-    from agentspec.targets.int8 import quantize_linears
-    from agentspec.targets.stable import prompt_thread_rows
+    from agentspec.targets.kernels.int8 import quantize_linears
+    from agentspec.targets.probes.prompt import prompt_thread_rows
 
     if torch.get_num_threads() == 1:
         pytest.skip("one thread: nothing to compare (CI machines have 2)")

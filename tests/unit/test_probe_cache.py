@@ -1,4 +1,4 @@
-"""Load-time probe results kept between loads (agentspec.targets.probe_cache): stored once,
+"""Load-time probe results kept between loads (agentspec.targets.probes.probe_cache): stored once,
 read back without probing, keyed so another model, precision or set of weights probes
 again, and never an error or a wrong value from a bad file."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.targets import stable
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.probe_cache import ProbeCache, is_bool, is_rows, probe_key, probed
+from agentspec.targets.probes import products
+from agentspec.targets.probes.probe_cache import ProbeCache, is_bool, is_rows, probe_key, probed
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_the_key_follows_the_buffers_the_parameters_do_not_cover(
         tiny_model: torch.nn.Module) -> None:
     """int8 layers keep their weights as buffers: two quantized models that differ only
     there must not share probe results (the cost key samples parameters only)."""
-    from agentspec.targets.int8 import quantize_linears
+    from agentspec.targets.kernels.int8 import quantize_linears
 
     a = copy.deepcopy(tiny_model)
     quantize_linears(a)
@@ -109,14 +109,15 @@ def test_a_second_load_reads_the_probes_instead_of_running_them(
         return LlamaForCausalLM.from_pretrained(path).eval(), None, ModelFiles(path, path.name)
 
     calls: list[str] = []
-    for name in ("invariant_rows", "thread_invariant", "prompt_thread_rows"):
-        real = getattr(stable, name)
+    for module, name in ((products, "invariant_rows"), (products, "thread_invariant"),
+                         (hf, "prompt_thread_rows")):
+        real = getattr(module, name)
 
         def counted(*args: object, _real: object = real, _name: str = name) -> object:
             calls.append(_name)
             return _real(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(stable, name, counted)
+        monkeypatch.setattr(module, name, counted)
     monkeypatch.setattr(hf, "load_model_and_tokenizer", fake_load)
 
     def load() -> HFTarget:
@@ -136,11 +137,12 @@ def test_a_second_load_reads_the_probes_instead_of_running_them(
 
 
 def test_cost_and_probe_files_follow_the_forwards_code(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Curves timed, or kernels probed, on other forwards' code are not read as this
-    code's: the digest of the forwards' sources is part of both keys."""
-    from agentspec.targets import fingerprint
-    from agentspec.targets.cost_meter import cost_key
+    code's: the digest of the forwards' sources is part of both keys (here one forward
+    module's source edited)."""
+    from agentspec.targets.base import fingerprint
+    from agentspec.targets.cost.cost_meter import cost_key
     from tests.conftest import tiny_llama
 
     model = tiny_llama()
@@ -148,10 +150,14 @@ def test_cost_and_probe_files_follow_the_forwards_code(
     key = cost_key("tiny", model, "int8", "cpu")
     probes = probe_key(key, model)
     assert key.endswith(ours[:8]) and probe_key(key, model) == probes
+    files = fingerprint.code_files()
+    name, path = next(f for f in files if f[0].endswith("forward/kv.py"))
+    edited = tmp_path / "kv.py"
+    edited.write_bytes(path.read_bytes() + b"\n# edited\n")
     try:
         fingerprint.forward_code.cache_clear()
-        monkeypatch.setattr(fingerprint, "FORWARD_CODE", (*fingerprint.FORWARD_CODE[:-1],
-                                                          "no_such_module"))
+        monkeypatch.setattr(fingerprint, "code_files", lambda: [
+            (n, edited if n == name else p) for n, p in files])
         other = fingerprint.forward_code()
         assert other != ours
         assert cost_key("tiny", model, "int8", "cpu") != key

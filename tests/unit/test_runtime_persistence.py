@@ -138,7 +138,7 @@ def test_the_request_kv_is_stored_when_it_ends_not_in_the_next_prefill(
 ) -> None:
     """The previous request's prompt KV goes to the prefix store as that request ends, so
     the next request's timed prefill (perhaps another tenant's) never pays for it."""
-    from agentspec.targets.prefix_cache import PrefixCache
+    from agentspec.targets.cache.prefix_cache import PrefixCache
 
     tiny_target.prefill(list(range(2, 5)))  # no scope: nothing of earlier tests to retire
     cache = PrefixCache(1 << 24, block_size=4)
@@ -181,7 +181,7 @@ def test_tenant_b_numbers_do_not_depend_on_tenant_a_last_request(
     """Whatever tenant A sent just before (a short prompt or one that overflows the prefix
     store), tenant B's next turn reuses the same KV and reports the same numbers: A's KV is
     stored when A's request ends and cannot push B's blocks below B's share of the budget."""
-    from agentspec.targets.prefix_cache import PrefixCache
+    from agentspec.targets.cache.prefix_cache import PrefixCache
 
     rng = random.Random(14)
     b_turns = [[0, *(rng.randrange(2, TINY_VOCAB) for _ in range(60))]]

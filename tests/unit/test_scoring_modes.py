@@ -8,7 +8,7 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.scoring import CHAIN, Batch, Tree
+from agentspec.targets.request.scoring import CHAIN, Batch, Tree
 
 
 @pytest.fixture

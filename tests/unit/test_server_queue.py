@@ -33,8 +33,8 @@ from adapters.openai_server.service import ChatService, Job, Ticket
 from agentspec.chat.turn import ChatTurn
 from agentspec.spec import AgentSpec
 from agentspec.storage.sessions import SessionStore
+from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.hf import HFTarget
-from agentspec.targets.prefix_cache import PrefixCache
 from agentspec.types import SessionRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))

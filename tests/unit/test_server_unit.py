@@ -393,7 +393,7 @@ def test_metrics_exposition() -> None:
 
 
 def test_metrics_prefix_cache_gauges_follow_the_store() -> None:
-    from agentspec.targets.prefix_cache import PrefixCache
+    from agentspec.targets.cache.prefix_cache import PrefixCache
 
     m, store = Metrics("m"), PrefixCache(budget_bytes=4096, block_size=2)
     m.watch_prefix_cache(store)
@@ -422,7 +422,7 @@ def test_metrics_show_the_request_state_home() -> None:
 
 def test_serve_default_prefix_budget_matches_the_library() -> None:
     from adapters.openai_server.cli import DEFAULT_PREFIX_CACHE_MB
-    from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
+    from agentspec.targets.cache.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 
     assert DEFAULT_PREFIX_CACHE_MB << 20 == DEFAULT_PREFIX_CACHE_BYTES
 
@@ -505,8 +505,8 @@ def test_a_turn_the_store_refuses_is_answered_flagged_and_counted(tmp_path: Path
 
 
 def test_metrics_count_rejected_and_unwritten_kv_blocks(tmp_path: Path) -> None:
-    from agentspec.targets.kv_spill import KVSpill
-    from agentspec.targets.prefix_cache import PrefixCache
+    from agentspec.targets.cache.kv_spill import KVSpill
+    from agentspec.targets.cache.prefix_cache import PrefixCache
 
     spill = KVSpill(tmp_path / "kv", 10**6)
     m, cache = Metrics("m"), PrefixCache(budget_bytes=4096, block_size=2, spill=spill)

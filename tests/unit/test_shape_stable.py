@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from agentspec.engine import EngineConfig, SpeculativeDecoder
+from agentspec.targets.forward.shapes import CPU_MIN_ROWS, StablePolicy, attend_length, chunks
+from agentspec.targets.forward.step_graph import StepGraph
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.stable import StablePolicy, attend_length, chunks, invariant_rows
-from agentspec.targets.step_graph import StepGraph
+from agentspec.targets.probes.policy import stable_policy
+from agentspec.targets.probes.products import invariant_rows
 from agentspec.types import Draft, DraftContext, SessionRef, VerifyResult
 from tests.conftest import TINY_VOCAB, tiny_llama
 
@@ -94,7 +96,7 @@ def test_bf16_speculation_identical_with_stable_shapes(flat_bf16: torch.nn.Modul
                                                        layout: str) -> None:
     """The CPU policy as a bf16 target gets it at load, and the CUDA layout (static
     buffers, one shape) run on the CPU."""
-    policy = (TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    policy = (stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16)
               if layout == "cpu" else StablePolicy(min_rows=8, max_rows=8, align=None))
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
     assert target.shape_stable
@@ -105,7 +107,7 @@ def test_stable_logits_match_each_other_row_by_row(flat_bf16: torch.nn.Module) -
     """A position's logits are the same bits whether it is scored alone or inside a
     verify of any length (what the engine-level identity rests on)."""
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None,
-                      TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16))
+                      stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16))
     for k in (2, 5, 9, 20):
         assert _blocks_vs_one_by_one(target, k), k
 
@@ -116,7 +118,7 @@ def test_forwards_attend_whole_aligned_buffers_with_the_same_bits(
     aligned block and later forwards attend all of it, one block more than they need: a
     row's logits stay the bits it gets scored one position per forward."""
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None,
-                      TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16))
+                      stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16))
     rng = random.Random(3)
     prompt = [rng.randrange(2, VOCAB) for _ in range(500)]
     cont = [rng.randrange(2, VOCAB) for _ in range(30)]
@@ -164,7 +166,7 @@ def test_graph_body_equals_eager_step(flat_bf16: torch.nn.Module) -> None:
 
 def test_reuse_with_stable_shapes_is_identical(flat_bf16: torch.nn.Module) -> None:
     """Prefix reuse across turns keeps plain and speculative answers identical."""
-    from agentspec.targets.prefix_cache import PrefixCache
+    from agentspec.targets.cache.prefix_cache import PrefixCache
 
     def run(draft: bool) -> list[list[int]]:
         target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu",
@@ -195,10 +197,10 @@ def test_policy_rules() -> None:
     cuda = StablePolicy.for_device("cuda")
     assert cuda.one_shape and cuda.graphs and attend_length(5, cuda, 4096) == 4096
     auto = TargetConfig(dtype="bfloat16")
-    assert auto.stable_policy("cpu") is not None
-    assert TargetConfig().stable_policy("cpu") is None  # fp32 on the CPU: exact as it is
-    assert TargetConfig().stable_policy("cuda") is not None
-    assert TargetConfig(dtype="bfloat16", shape_stable=False).stable_policy("cuda") is None
+    assert stable_policy(auto, "cpu") is not None
+    assert stable_policy(TargetConfig(), "cpu") is None  # fp32 on the CPU: exact as it is
+    assert stable_policy(TargetConfig(), "cuda") is not None
+    assert stable_policy(TargetConfig(dtype="bfloat16", shape_stable=False), "cuda") is None
 
 
 def test_invariant_rows_on_the_tiny_model(flat_bf16: torch.nn.Module) -> None:
@@ -210,11 +212,11 @@ def test_threads_are_pinned_where_the_bits_depend_on_them(
         flat_bf16: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """A busy machine makes the live cost model run a forward with one thread; where the
     products' bits depend on the thread count a shape-stable target must not follow it."""
-    from agentspec.targets import stable
+    from agentspec.targets.probes import products
 
-    assert isinstance(stable.thread_invariant(flat_bf16), bool)
-    monkeypatch.setattr(stable, "thread_invariant", lambda model: False)
-    policy = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    assert isinstance(products.thread_invariant(flat_bf16), bool)
+    monkeypatch.setattr(products, "thread_invariant", lambda model: False)
+    policy = stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16)
     assert policy is not None and policy.pin_threads
     target = HFTarget(flat_bf16, None, "flat", "bfloat16", "cpu", None, policy)
     live = target.meter.live_cost
@@ -223,8 +225,8 @@ def test_threads_are_pinned_where_the_bits_depend_on_them(
     with target.meter.timed(5, 100):
         seen.append(torch.get_num_threads())
     assert seen == [live.threads]
-    monkeypatch.setattr(stable, "thread_invariant", lambda model: True)
-    free = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    monkeypatch.setattr(products, "thread_invariant", lambda model: True)
+    free = stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16)
     assert free is not None and not free.pin_threads
 
 
@@ -232,7 +234,7 @@ def test_threads_are_pinned_where_the_bits_depend_on_them(
 def test_stable_attention_computes_sdpa(kind: str) -> None:
     """The row-invariant products compute what SDPA computes, with transformers' boolean
     masks (True: attend), additive masks or none (up to rounding)."""
-    from agentspec.targets.attention import stable_attention
+    from agentspec.targets.forward.attention import stable_attention
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 6, 4, 16, generator=gen)
@@ -258,10 +260,10 @@ def test_decode_attention_rows_are_invariant_in_the_shipped_models_shapes() -> N
     attention weights and the values, 5- and 6-row verifies of Qwen's heads rounded rows
     otherwise than one-row steps on this project's CPU (and one fp32 product did at another
     key length), and an int8/w8a8 greedy answer changed under speculation."""
-    from agentspec.targets import stable
+    from agentspec.targets.probes import attention_rows
 
     for heads, kv in ((14, 2), (9, 3)):
-        assert stable.attention_rows_invariant(heads, kv, 64, torch.bfloat16,
+        assert attention_rows.attention_rows_invariant(heads, kv, 64, torch.bfloat16,
                                                keys=(2048, 4096), trials=3), (heads, kv)
 
 
@@ -269,7 +271,8 @@ def test_the_attention_probe_catches_a_row_dependent_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that rounds one row count's rows otherwise is caught (a stand-in for a
     library's shape-dependent kernel choice)."""
-    from agentspec.targets import attention, stable
+    from agentspec.targets.forward import attention
+    from agentspec.targets.probes import attention_rows
 
     real = attention.stable_attention
 
@@ -277,22 +280,23 @@ def test_the_attention_probe_catches_a_row_dependent_kernel(
         out = real(query, *args, **kwargs)
         return out * 1.01 if query.shape[2] == 6 else out
 
-    assert stable.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,), trials=1)
+    assert attention_rows.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,),
+                                                   trials=1)
     monkeypatch.setattr(attention, "stable_attention", six_rows_differ)
-    assert not stable.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,),
-                                               trials=1)
+    assert not attention_rows.attention_rows_invariant(4, 2, 16, torch.bfloat16, keys=(512,),
+                                                       trials=1)
 
 
 def test_policy_takes_one_shape_where_attention_is_not_invariant(
         flat_bf16: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentspec.targets import stable
+    from agentspec.targets.probes import attention_rows, products
 
-    monkeypatch.setattr(stable, "invariant_rows", lambda model: 1)
-    monkeypatch.setattr(stable, "thread_invariant", lambda model: True)
-    monkeypatch.setattr(stable, "attention_invariant", lambda model: True)
-    free = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    monkeypatch.setattr(products, "invariant_rows", lambda model: 1)
+    monkeypatch.setattr(products, "thread_invariant", lambda model: True)
+    monkeypatch.setattr(attention_rows, "attention_invariant", lambda model: True)
+    free = stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16)
     assert free is not None and (free.min_rows, free.max_rows, free.pin_threads) == (1, 0, False)
-    monkeypatch.setattr(stable, "attention_invariant", lambda model: False)
-    fixed = TargetConfig(dtype="bfloat16").stable_policy("cpu", flat_bf16)
+    monkeypatch.setattr(attention_rows, "attention_invariant", lambda model: False)
+    fixed = stable_policy(TargetConfig(dtype="bfloat16"), "cpu", flat_bf16)
     assert fixed is not None and fixed.one_shape and fixed.pin_threads
-    assert fixed.min_rows == stable.CPU_MIN_ROWS
+    assert fixed.min_rows == CPU_MIN_ROWS

@@ -1,4 +1,4 @@
-"""Product forms of a few-row linear layer (agentspec.targets.linear): every form computes
+"""Product forms of a few-row linear layer (agentspec.targets.kernels.linear): every form computes
 ``torch.nn.functional.linear``'s sums to fp32 rounding with a contiguous output, one-row
 forwards stay bit for bit ``linear``'s, the measured table is looked up by the lower row
 point, and the cost file keeps the table: a file without one is measured again whole."""
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.targets import costs, linear
-from agentspec.targets.cost_curves import CostCurves, FormsProbe
+from agentspec.targets.cost import costs
+from agentspec.targets.cost.cost_curves import CostCurves, FormsProbe
 from agentspec.targets.hf import HFTarget
+from agentspec.targets.kernels import linear
 
 
 def _layers() -> list[torch.nn.Linear]:

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from agentspec.targets import attention
-from agentspec.targets.attention import SPLIT_ROWS, split_tail_attention
+from agentspec.targets.forward import attention
+from agentspec.targets.forward.attention import SPLIT_ROWS, split_tail_attention
 from agentspec.targets.hf import HFTarget
 from tests.conftest import TINY_VOCAB
 

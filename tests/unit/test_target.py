@@ -29,7 +29,7 @@ def test_rollback_is_exact(tiny_model, tiny_target: HFTarget,  # type: ignore[no
     # Both paths run their forwards with the same thread count: on a loaded machine the
     # live cost may pick one thread for one path and two for the other, and fp32 products
     # over a few rows are not thread-invariant (what this test compares is the rollback).
-    from agentspec.targets.live_cost import LiveCost
+    from agentspec.targets.cost.live_cost import LiveCost
 
     monkeypatch.setattr(LiveCost, "threads_for", lambda self, k, context: self.threads)
     a, rejected, c = [5, 6, 7, 8, 9, 10], [40, 41, 42, 43], [50, 51, 52]

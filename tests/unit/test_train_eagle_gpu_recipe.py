@@ -13,15 +13,15 @@ import torch
 
 from agentspec.cli.train_drafter import add_train_drafter_parser, run_self_distill
 from agentspec.drafters.model.eagle import read_head
-from agentspec.training import eagle_scale
 from agentspec.training.corpus import training_prompts
-from agentspec.training.eagle_scale import (
+from agentspec.training.eagle import (
     ScaleConfig,
     build_prompt_pool,
     extract_batch_features,
     generate_batch,
     run_recipe,
 )
+from agentspec.training.eagle import recipe as eagle_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -117,7 +117,7 @@ def test_a_failing_phase_still_saves_the_head_and_the_report(
     import time
 
     calls = {"n": 0}
-    real = eagle_scale.evaluate
+    real = eagle_recipe.evaluate_head
 
     def flaky(*a: Any, **kw: Any) -> Any:
         calls["n"] += 1
@@ -125,7 +125,7 @@ def test_a_failing_phase_still_saves_the_head_and_the_report(
             raise RuntimeError("boom")
         return real(*a, **kw)
 
-    monkeypatch.setattr(eagle_scale, "evaluate", flaky)
+    monkeypatch.setattr(eagle_recipe, "evaluate_head", flaky)
     out, rep = tmp_path / "head.safetensors", tmp_path / "train.json"
     run_recipe(tiny_model, _pool(), _cfg(), device="cpu", out=out, target_name="tiny-llama",
                stop_ids=[EOS], pad_id=EOS, start=time.monotonic(), report={},

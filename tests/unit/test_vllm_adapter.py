@@ -378,7 +378,7 @@ def test_payoff_gate_reads_a_measured_cost_curve(tmp_path: Path) -> None:
     interpolated between the measured points; the curve decides the cut."""
     from adapters.vllm.payoff_gate import PayoffGate, load_cost_curve
     from agentspec.payoff.features import TokenTable
-    from agentspec.targets.costs import COST_POINTS
+    from agentspec.targets.cost.costs import COST_POINTS
 
     bare = tmp_path / "curve.json"
     bare.write_text(json.dumps({"1": 1.0, "2": 1.1, "8": 1.7}))

@@ -38,8 +38,8 @@ from agentspec.cli.args import add_device_arg, add_dtype_arg
 from agentspec.errors import BenchmarkError
 from agentspec.runtime import Runtime
 from agentspec.spec import AgentSpec
+from agentspec.targets.cache.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from agentspec.types import SessionRef
 from workflows.bench.driven_sources import (
     WORKLOADS,

@@ -319,7 +319,7 @@ def _warm_up(target: HFTarget, ctx: MethodContext) -> None:
     forms are timed at and one small tree, so the first measured method does not pay
     one-off costs: a row count's first forward costs 1.5-2x its later ones (kernel set-up),
     and which method first verifies 2, 5 or 33 rows would otherwise pay it for the rest."""
-    from agentspec.targets.linear import ROW_POINTS
+    from agentspec.targets.kernels.linear import ROW_POINTS
 
     ids = render_prompt(target.tokenizer, [{"role": "user", "content": "Hello"}])
     with torch.inference_mode():

@@ -7,7 +7,7 @@ method's spec). The peers are built here: ``greedy`` is transformers' own
 ``generate(do_sample=False)``, the plain decoding users run today and the reference every
 other method's output is checked against (on a shape-stable target, bf16 or CUDA, the
 engine without drafts: there plain decoding is defined by the engine's own shapes, see
-:mod:`agentspec.targets.stable`); ``hf_prompt_lookup`` is transformers' prompt
+:mod:`agentspec.targets.forward.shapes`); ``hf_prompt_lookup`` is transformers' prompt
 lookup decoding; ``oracle`` drafts the known greedy output (the ceiling); ``distilled`` is
 the model drafter before the EAGLE head. ``plain`` is agentspec's loop with no drafter
 (one token per forward: the loop's own overhead).
