@@ -86,3 +86,41 @@ def test_an_inexact_int_mm_is_never_used(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_the_int_mm_probe_answers() -> None:
     assert isinstance(int8_mm.int_mm_exact(), bool)
+
+
+def _product_in_child(queue: object) -> None:
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8)
+    a = torch.randint(-127, 128, (2, 96), generator=gen, dtype=torch.int8)
+    torch.set_num_threads(2)
+    out = int8_mm.native_mm(a, w)
+    queue.put(out is not None and torch.equal(out, a.int() @ w.int().t()))  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_runs_the_pool() -> None:
+    """A child forked after the pool's workers started has none of them: it must start its
+    own rather than wait for the parent's (a server forking workers, multiprocessing)."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _product_in_child(_Local())  # the parent's pool is up
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_product_in_child, args=(queue,))
+        child.start()
+        child.join(timeout=60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and queue.get(timeout=5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Local:
+    """A queue stand-in for the parent's own call."""
+
+    def put(self, ok: bool) -> None:
+        assert ok

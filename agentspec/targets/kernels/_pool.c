@@ -76,7 +76,21 @@ static void *worker(void *arg) {
     return 0;
 }
 
+/* A forked child has the parent's counters but none of its workers: it starts its own. */
+static void forget_workers(void) {
+    started = 0;
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&pool_lock, 0);
+    pthread_mutex_init(&wake_lock, 0);
+    pthread_cond_init(&wake_cond, 0);
+}
+
+static pthread_once_t fork_hook = PTHREAD_ONCE_INIT;
+
+static void install_fork_hook(void) { pthread_atfork(0, 0, forget_workers); }
+
 void agentspec_parallel(agentspec_task fn, void *ctx, int64_t n, int threads) {
+    pthread_once(&fork_hook, install_fork_hook);
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
     if (threads > n) threads = (int)n;
     if (threads <= 1) {
