@@ -46,8 +46,8 @@ from agentspec.verifiers.keyed import KeyedVerifier
 if TYPE_CHECKING:
     from agentspec.storage.ledger import RegretLedger
 
-__all__ = ["build_drafter", "build_engine", "build_gate", "engine_config", "suffix_config",
-           "suffix_drafter"]
+__all__ = ["build_drafter", "build_engine", "build_gate", "draft_model_name",
+           "draft_target_drafter", "engine_config", "suffix_config", "suffix_drafter"]
 
 
 def suffix_config(spec: AgentSpec) -> SuffixConfig:
@@ -94,7 +94,8 @@ def build_drafter(
         from agentspec.drafters.hybrid_build import build_hybrid, load_model_drafter
 
         try:
-            model = load_model_drafter(target, d.draft_model, max_tokens=d.model_max)
+            model = draft_target_drafter(spec, target) or load_model_drafter(
+                target, d.draft_model, max_tokens=d.model_max)
             if d.method == "model":
                 return model
             return build_hybrid(target, d.hvd_policy, cache=suffix_drafter(spec, store),
@@ -103,6 +104,67 @@ def build_drafter(
         except AgentSpecError as exc:
             raise ConfigError(f"drafting method {d.method!r}: {exc}") from None
     raise ConfigError(f"drafting method {d.method!r} is not available in this build")
+
+
+#: Prefix-store budget of a draft model run as a target: its KV is a fraction of the
+#: target's (a 0.5B model holds ~12 KB per token in w8a16's fp32 KV), and a few sessions'
+#: conversations are what a later turn reuses.
+DRAFT_PREFIX_BYTES = 512 << 20
+
+
+def draft_model_name(spec: AgentSpec, target: Target) -> str | None:
+    """The draft model ``spec`` drafts with: the policy's ``draft_model``, else the one the
+    shipped target names (the 0.5B for the 1.5B), else ``None`` (an EAGLE head or the
+    distilled drafter).
+
+    Raises:
+        ConfigError: the shipped draft model is not installed (the message says how).
+    """
+    from agentspec.models import SHIPPED_MODELS, shipped_model
+
+    if spec.drafting.draft_model is not None:
+        return spec.drafting.draft_model
+    shipped = shipped_model(target.name)
+    if shipped is None or shipped.draft_model is None:
+        return None
+    draft = SHIPPED_MODELS[shipped.draft_model]
+    if not draft.installed:
+        raise ConfigError(f"{target.name} drafts with {draft.name}, which is not installed: "
+                          f"`make {draft.make_target}` or `{draft.install_command}` "
+                          "(or name another drafting.draft_model)")
+    return draft.name
+
+
+def draft_target_drafter(spec: AgentSpec, target: Target) -> Drafter | None:
+    """The draft model as a target of its own (:class:`TargetDrafter`): the verified
+    target's forward, precision and device, its own KV with prefix reuse. ``None`` where
+    there is no draft model to load this way (no name, or a target that is not an
+    in-process transformers model).
+
+    Raises:
+        ConfigError: the draft model's tokenizer is not the target's.
+    """
+    from agentspec.targets.hf import HFTarget, TargetConfig
+
+    name = draft_model_name(spec, target)
+    if name is None or not isinstance(target, HFTarget):
+        return None
+    from agentspec.drafters.model.causal import ModelDrafterConfig
+    from agentspec.drafters.model.target_drafter import TargetDrafter
+
+    draft = HFTarget.load(TargetConfig(model=name, dtype=target.dtype, device=target.device,
+                                       measure_costs=False,
+                                       prefix_cache_bytes=DRAFT_PREFIX_BYTES))
+    ours, theirs = draft.tokenizer, target.tokenizer
+    probe = range(0, min(len(ours), len(theirs)), 97)
+    if len(ours) != len(theirs) or (ours.convert_ids_to_tokens(list(probe))
+                                     != theirs.convert_ids_to_tokens(list(probe))):
+        raise ConfigError(f"draft model {name!r} does not share {target.name!r}'s tokenizer "
+                          f"({len(ours)} vs {len(theirs)} tokens)")
+    drafter = TargetDrafter(draft, ModelDrafterConfig(max_tokens=spec.drafting.model_max),
+                            vocab_size=target.vocab_size)
+    drafter.warm()
+    return drafter
 
 
 def build_gate(spec: AgentSpec, target: Target, drafter: Drafter | None) -> DraftGate | None:

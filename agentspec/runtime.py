@@ -104,7 +104,7 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
     def load(
         cls,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         store: str | Path | bool | None = True,
         default_spec: AgentSpec | None = None,
         store_config: StoreConfig | None = None,
@@ -118,8 +118,11 @@ class Runtime(BaseChatRuntime[GrammarConstraint]):
         Args:
             model: A shipped model's name (default: the embedded one; see
                 ``agentspec models``) or a local Hugging Face folder.
-            dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or
+            dtype: ``auto`` (the default: ``w8a16`` on a CPU with the int8 product, else
+                ``float32``; see :class:`~agentspec.targets.target_config.TargetConfig`),
+                ``float32`` (the reference, by name), ``bfloat16``, ``int8``, ``w8a8`` or
                 ``w8a16`` (CPU only), each exact against plain decoding in that precision.
+                ``runtime.target.dtype`` is the precision chosen.
             store: ``True`` for the default SQLite file under ``AGENTSPEC_HOME``, a path, or
                 ``False``/``None`` for no persistence. A corrupt file is moved aside and the
                 store starts empty (logged), so serving never fails because of it.

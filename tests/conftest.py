@@ -77,10 +77,11 @@ def tiny_target(tiny_model: torch.nn.Module):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def embedded_target():  # type: ignore[no-untyped-def]
-    """The embedded SmolLM2-135M-Instruct, fp32 (converted once into AGENTSPEC_HOME)."""
-    from agentspec.targets.hf import HFTarget
+    """The embedded SmolLM2-135M-Instruct, fp32 (converted once into AGENTSPEC_HOME): the
+    reference precision, named (the default, ``auto``, is the machine's choice)."""
+    from agentspec.targets.hf import HFTarget, TargetConfig
 
-    return HFTarget.load()
+    return HFTarget.load(TargetConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="session")

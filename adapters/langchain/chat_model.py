@@ -94,12 +94,13 @@ class ChatAgentSpec(BaseChatModel):
     Attributes:
         model_name: Embedded model name or a local Hugging Face folder (alias ``model``;
             default from ``AGENTSPEC_MODEL``, else the embedded model).
-        dtype: ``float32`` (the reference), ``bfloat16``, ``int8`` (int8 weight-only
-            layers, CPU only), ``w8a8`` (int8 weights and activations, CPU only),
-            ``w8a16`` (int8 weights, activations as two int8 digits, CPU only) or
-            ``auto`` (w8a16 on a CPU whose torch has the int8 product, AVX-512 or AVX2,
-            else fp32); output identical to plain greedy
-            decoding in that precision.
+        dtype: ``auto`` (the default: w8a16 on a CPU whose torch has the int8 product,
+            AVX-512 or AVX2, else fp32), ``float32`` (the reference, by name),
+            ``bfloat16``, ``int8`` (int8 weight-only layers, CPU only), ``w8a8`` (int8
+            weights and activations, CPU only) or ``w8a16`` (int8 weights, activations as
+            two int8 digits, CPU only); output identical to plain greedy decoding in that
+            precision. The precision chosen is in ``response_metadata["speculative"]
+            ["dtype"]``.
         tool_format: The model's tool-call format: ``hermes``, ``llama3_json``,
             ``mistral``, ``mistral_v11`` or ``fallback`` (default: chosen from the model's
             chat template; see ``docs/tool-formats.md``). With ``runtime`` given it must
@@ -135,7 +136,7 @@ class ChatAgentSpec(BaseChatModel):
     model_name: str = Field(
         default_factory=from_env("AGENTSPEC_MODEL", default=EMBEDDED_MODEL), alias="model"
     )
-    dtype: Literal["float32", "bfloat16", "int8", "w8a8", "w8a16", "auto"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "int8", "w8a8", "w8a16"] = "auto"
     tool_format: str | None = None
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int | None = Field(default=256, ge=1)

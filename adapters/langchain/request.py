@@ -27,7 +27,7 @@ from langchain_core.outputs import ChatGenerationChunk
 from langchain_core.runnables import RunnableConfig, ensure_config
 
 from adapters.langchain.messages import VisibleText, to_langchain_tool_calls
-from agentspec.chat.api import ChatResult, ChatRuntime
+from agentspec.chat.api import ChatResult, ChatRuntime, served_dtype
 from agentspec.chat.stream import ResultStream
 from agentspec.chat.turn import ChatTurn
 from agentspec.errors import AgentSpecError, StoreBusyError
@@ -151,11 +151,14 @@ def usage(result: ChatResult) -> UsageMetadata:
 
 
 def response_metadata(req: ChatRequest, result: ChatResult) -> dict[str, Any]:
-    """Model name, finish reason and the request's speculative decoding numbers."""
+    """Model name, finish reason and the request's speculative decoding numbers, with the
+    precision the model ran in (``dtype``: ``auto`` resolved, e.g. ``w8a16``; ``None``
+    where the runtime does not say)."""
     stats = result.stats.to_dict()
     # String keys: checkpointers (JSON, msgpack) persist messages, and JSON has no int keys.
     stats["accepted_histogram"] = {str(k): v for k, v in stats["accepted_histogram"].items()}
     stats["drafting_method"] = req.spec.drafting.method
+    stats["dtype"] = served_dtype(req.runtime)
     session = req.turn.session
     stats["session_id"] = session.session_id if session else None
     meta: dict[str, Any] = {

@@ -6,7 +6,8 @@ own a model: they ask this module for a :class:`~agentspec.runtime.Runtime`.
 
 A runtime is kept per (model, dtype, store, tool format): requests with different session
 stores must not share drafter histories, and a runtime renders, constrains and parses tool
-calls in one format. Runtimes over the same model share its target, and so its lock
+calls in one format; ``dtype="auto"`` is keyed by the precision it resolves to, so ``auto``
+and its choice share one model. Runtimes over the same model share its target, and so its lock
 (``HFTarget.lock``, which every :class:`~agentspec.runtime.Runtime` over the target takes):
 the target holds a single KV cache, so only one request may decode on it at a time,
 whichever runtime it came through.
@@ -42,7 +43,7 @@ def _store_key(store: StoreArg) -> str:
 
 
 def shared_runtime(
-    model: str | None, dtype: str = "float32", store: StoreArg = True,
+    model: str | None, dtype: str = "auto", store: StoreArg = True,
     tool_format: str | None = None,
 ) -> Runtime:
     """The process-wide runtime for ``model`` / ``dtype`` / ``store`` / ``tool_format``,
@@ -50,8 +51,9 @@ def shared_runtime(
 
     Args:
         model: Embedded model name (``None`` for the default) or a local model folder.
-        dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or ``w8a16``
-            (CPU only).
+        dtype: ``auto`` (the default; see :class:`~agentspec.targets.hf.TargetConfig`),
+            ``float32`` (the reference, by name), ``bfloat16``, ``int8``, ``w8a8`` or
+            ``w8a16`` (CPU only).
         store: ``True`` for the default session store under ``AGENTSPEC_HOME``, a path for
             a SQLite file, or ``False``/``None`` to keep session caches in memory only.
         tool_format: The model's tool-call format (``None``: chosen from its chat template,
@@ -65,6 +67,8 @@ def shared_runtime(
 
     if tool_format is not None:
         check_format_name(tool_format)
+    # Validates the dtype and resolves "auto" (the machine's choice), loading nothing.
+    dtype = TargetConfig(model=model, dtype=dtype).dtype
     key = (model or "", dtype, _store_key(store), tool_format or "")
     with _GUARD:
         runtime = _RUNTIMES.get(key)

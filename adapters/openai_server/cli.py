@@ -10,10 +10,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from adapters.openai_server.config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, check_bind
 from agentspec.cli.args import add_device_arg, add_dtype_arg, non_negative_int, positive_int
-from agentspec.errors import AgentSpecError
+from agentspec.errors import AgentSpecError, ConfigError
+
+if TYPE_CHECKING:
+    from agentspec.spec import AgentSpec
 
 # agentspec.targets.cache.prefix_cache.DEFAULT_PREFIX_CACHE_BYTES in MiB, the floor of the default
 # (auto-sized) budget (a unit test checks it);
@@ -37,8 +41,14 @@ def _non_negative_seconds(value: str) -> float:
     return s
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``serve`` command to ``agentspec``'s subparsers; return its parser."""
+#: The drafting methods ``serve --drafting`` takes (the vLLM backend takes its own subset).
+DRAFTING = ("suffix", "hybrid", "model", "prompt_lookup", "none")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction,
+                     drafting: tuple[str, ...] = DRAFTING) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to ``agentspec``'s subparsers; return its parser.
+    ``drafting``: the methods ``--drafting`` takes (the backend's)."""
     from agentspec.storage.sessions import StoreConfig  # no torch: sqlite and the ids only
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -58,6 +68,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    choices=["hermes", "llama3_json", "mistral", "mistral_v11", "fallback"],
                    help="the model's tool-call format (default: chosen from its chat template)")
     add_dtype_arg(p)
+    p.add_argument("--drafting", default="suffix", choices=list(drafting),
+                   help="where drafts come from for requests that name no agent spec: the "
+                        "session cache (suffix, default), HVD's choice per step between the "
+                        "cache and a draft model (hybrid), the draft model alone (model), "
+                        "n-grams of the prompt (prompt_lookup) or none (plain decoding); "
+                        f"this backend takes {', '.join(drafting)}")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model of hybrid / model drafting: a shipped model's name or "
+                        "a local Hugging Face folder sharing the model's tokenizer (default: "
+                        "the one the shipped model names, e.g. the 0.5B for the 1.5B, else "
+                        "its EAGLE head or distilled drafter)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the model's)")
     p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
@@ -132,10 +153,26 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def serve_spec(args: argparse.Namespace) -> AgentSpec:
+    """The policy of requests that name no agent spec (``--drafting``, ``--draft-model``).
+
+    Raises:
+        ConfigError: the two do not go together (a draft model without a model drafter).
+    """
+    from agentspec.spec import AgentSpec, DraftingPolicy
+
+    if args.draft_model is not None and args.drafting not in ("hybrid", "model"):
+        raise ConfigError(f"--draft-model {args.draft_model!r} drafts under --drafting hybrid "
+                          f"or model only, got --drafting {args.drafting}")
+    return AgentSpec(drafting=DraftingPolicy(method=args.drafting,
+                                             draft_model=args.draft_model))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; return the exit code (2 on a configuration error)."""
     try:
         config = build_config(args)
+        spec = serve_spec(args)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2
@@ -158,6 +195,10 @@ def run_serve(args: argparse.Namespace) -> int:
                                tool_format=args.tool_format, device=args.device,
                                prefix_cache_bytes=budget,
                                prefix_spill_bytes=args.prefix_cache_disk_mb << 20)
+        # The drafter of the default policy loads now: a draft model that cannot load is a
+        # start-up error, not every request's.
+        runtime.default_spec = spec
+        runtime.drafter_for(spec)
     except AgentSpecError as exc:
         print(f"agentspec serve: error: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ from adapters.openai_server.schemas import ChatCompletionRequest, ModelList
 from adapters.openai_server.service import ChatService, Ticket, build_job
 from adapters.openai_server.streaming import Answers
 from adapters.openai_server.validation import check_conversation, parse_json
-from agentspec.chat.api import ChatRuntime
+from agentspec.chat.api import ChatRuntime, served_dtype
 
 __all__ = ["AGENT_HEADER", "SESSION_HEADER", "add_routes"]
 
@@ -120,8 +120,14 @@ def add_routes(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # The precision the model runs in (``--dtype auto`` resolved: "w8a16", "float32", ...),
+    # an extra field of the model card (omitted where the runtime does not say).
+    dtype = served_dtype(runtime)
+
     def card(model_id: str) -> Model:
-        return Model(id=model_id, object="model", created=started, owned_by="agentspec")
+        extra: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+        return Model(id=model_id, object="model", created=started, owned_by="agentspec",
+                     **extra)
 
     # exclude_none: openai's Model has optional fields (shutdown_date) this server never sets.
     @app.get("/v1/models", response_model_exclude_none=True)

@@ -73,6 +73,8 @@ class EngineSettings:
         extra: Further ``LLM`` keyword arguments, passed through.
     """
 
+    # Not agentspec's "auto": vLLM's "auto" is the checkpoint's own dtype (bf16 for most),
+    # not a choice of this machine's fastest exact precision, and no int8 CPU kernels here.
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.5
     max_model_len: int = 4096

@@ -30,13 +30,12 @@ from agentspec.errors import AgentSpecError
 def build_parser() -> argparse.ArgumentParser:
     """``agentspec serve``'s arguments plus the vLLM engine's."""
     parser = argparse.ArgumentParser(prog="python -m adapters.vllm")
-    p = add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    # --drafting and --draft-model (a draft model / EAGLE-3 head folder) are serve's, with
+    # the methods vLLM runs.
+    p = add_serve_parser(parser.add_subparsers(dest="command", required=True),
+                         drafting=("none", "prompt_lookup", "suffix", "model"))
     p.add_argument("--proposer", choices=["vllm", "agentspec"], default="agentspec",
                    help="drafts from vLLM's methods or agentspec's session cache")
-    p.add_argument("--drafting", default="suffix",
-                   choices=["none", "prompt_lookup", "suffix", "model"],
-                   help="the AgentSpec drafting method (default suffix)")
-    p.add_argument("--draft-model", default=None, help="draft model / EAGLE-3 head folder")
     p.add_argument("--payoff", choices=["off", "cost_aware"], default="off",
                    help="agentspec proposer: cut drafts to the payoff predictor's useful length")
     p.add_argument("--max-draft", type=int, default=32, help="num_speculative_tokens")

@@ -27,7 +27,7 @@ from agentspec.types import RequestStats
 
 __all__ = [
     "ChatResult", "ChatRuntime", "ChatStream", "ChatTurn", "ToolChoice", "chat_prompt_ids",
-    "forced_prefix",
+    "forced_prefix", "served_dtype",
 ]
 
 
@@ -219,3 +219,11 @@ class ChatRuntime(Protocol):
     ) -> ChatResult:
         """Complete a chat (the keywords of :meth:`stream_chat`)."""
         ...
+
+
+def served_dtype(runtime: Any) -> str | None:
+    """The precision ``runtime``'s model runs in, as its target reports it
+    (:attr:`HFTarget.dtype <agentspec.targets.hf.HFTarget>`: ``"auto"`` already resolved,
+    e.g. ``"w8a16"``); ``None`` where the runtime's target does not say (a vLLM engine)."""
+    dtype = getattr(getattr(runtime, "target", None), "dtype", None)
+    return dtype if isinstance(dtype, str) else None

@@ -24,20 +24,20 @@ def add_device_arg(parser: argparse.ArgumentParser) -> None:
                              "CPU; default), cpu or cuda (an error without CUDA)")
 
 
-def add_dtype_arg(parser: argparse.ArgumentParser, default: str = "float32") -> None:
-    """Add ``--dtype float32|bfloat16|int8|w8a8|w8a16|auto`` to a command that loads a model (see
-    :attr:`~agentspec.targets.target_config.TargetConfig.dtype`)."""
+def add_dtype_arg(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    """Add ``--dtype auto|float32|bfloat16|int8|w8a8|w8a16`` to a command that loads a model
+    (default ``auto``; see :attr:`~agentspec.targets.target_config.TargetConfig.dtype`)."""
     parser.add_argument("--dtype", choices=DTYPES, default=default,
-                        help="the model's precision: float32 (the reference), bfloat16, "
+                        help="the model's precision: auto (w8a16 on a CPU whose torch has "
+                             "the int8 product, AVX-512 or AVX2 alike, else float32, as on a "
+                             "GPU), float32 (the reference), bfloat16, "
                              "int8 (int8 weight-only layers over bf16 activations, CPU only, "
                              "fewest bytes per step), w8a8 (int8 weights and int8 "
                              "activations summed in int32, CPU only: multi-row verifies cost "
-                             "little more than one row; answers drift further from float32's), "
-                             "w8a16 (int8 weights, activations as two int8 digits, CPU only: "
-                             "w8a8's cheap verifies at int8's closeness to float32) "
-                             "or auto (w8a16 on a CPU whose torch has the int8 product, "
-                             "AVX-512 or AVX2 alike, else float32); each exact "
-                             "against plain decoding in the same "
+                             "little more than one row; answers drift further from float32's) "
+                             "or w8a16 (int8 weights, activations as two int8 digits, CPU "
+                             "only: w8a8's cheap verifies at int8's closeness to float32); "
+                             "each exact against plain decoding in the same "
                              f"precision (docs/cpu_step.md; default {default})")
 
 

@@ -18,8 +18,7 @@ from agentspec.cli.args import add_device_arg, add_dtype_arg, csv_list, positive
 from agentspec.errors import AgentSpecError
 
 
-def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str,
-                    dtype: str = "float32") -> None:
+def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str) -> None:
     p.add_argument("--workloads", type=csv_list, default=csv_list(workloads),
                    help=f"comma-separated workloads (default: {workloads})")
     p.add_argument("--methods", type=csv_list, default=csv_list(methods),
@@ -34,9 +33,14 @@ def _add_bench_args(p: argparse.ArgumentParser, workloads: str, methods: str,
                    help="model: a shipped model's name (default smollm2-135m-instruct; see "
                         "`agentspec models`) or a local Hugging Face folder")
     add_device_arg(p)
-    add_dtype_arg(p, dtype)
+    add_dtype_arg(p)
     p.add_argument("--max-draft", type=positive_int, default=16,
                    help="longest draft verified in one forward (default 16)")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="draft model of the model and hybrid methods: a shipped model's name "
+                        "or a local Hugging Face folder sharing the model's tokenizer "
+                        "(default: the one the shipped model names, e.g. the 0.5B for the "
+                        "1.5B, else its EAGLE head or distilled drafter)")
     p.add_argument("--data", default=None,
                    help="folder with delegate52_domains.jsonl, delegate52_prompt_template.txt, "
                         "editeval.jsonl (default: the packaged fixture)")
@@ -80,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "drafters on the embedded model, checks the outputs are identical and "
                     "prints the speed-up table.",
     )
-    # The quick start gets the fastest exact setting this CPU has (int8 where it is fast).
-    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,suffix,oracle", dtype="auto")
+    _add_bench_args(demo, "smoke", "greedy,prompt_lookup,suffix,oracle")
 
     bench = sub.add_parser(
         "bench", help="benchmark decoding methods on agent workloads",
@@ -153,7 +156,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         workloads=args.workloads, methods=args.methods, limit=args.limit, turns=args.turns,
         out=args.out, model=args.model, dtype=args.dtype, device=args.device,
-        max_draft=args.max_draft,
+        max_draft=args.max_draft, draft_model=args.draft_model,
         data_dir=args.data, progress=not args.no_progress, quick=args.quick,
         relay_prompt=args.relay_prompt, constrained=args.constrained,
     )

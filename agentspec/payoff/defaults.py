@@ -52,7 +52,11 @@ def predictor_path(target: Any) -> Path:
 
     First the user's own (``agentspec train-predictor`` writes
     ``$AGENTSPEC_HOME/payoff/<model>.json``), then the one shipped for this model
-    (``agentspec/data/predictors/<model>.json``), then the embedded model's default.
+    (``agentspec/data/predictors/<model>.json``), then one shipped for another model with
+    the same tokenizer (a model family shares its vocabulary: the features the predictor
+    reads are the session cache's match and the draft's tokens, and the cost-aware policy
+    calibrates its predictions on the target's own verifies), then the embedded model's
+    default.
     """
     from agentspec.models import agentspec_home
 
@@ -62,6 +66,14 @@ def predictor_path(target: Any) -> Path:
             candidate = folder / f"{name}.json"
             if candidate.is_file():
                 return candidate
+    have = tokenizer_fingerprint(getattr(target, "tokenizer", None))
+    if have != "none":
+        for candidate in sorted(PACKAGED_PREDICTORS.glob("*.json")):
+            try:
+                if PayoffPredictor.load(candidate).meta.get("tokenizer") == have:
+                    return candidate
+            except PredictorError:
+                continue  # a damaged file is reported where it is someone's own predictor
     return DEFAULT_PREDICTOR
 
 

@@ -23,6 +23,7 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
+from agentspec.targets.base.cpu import release_freed_memory
 from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.cost import costs
 from agentspec.targets.cost.cost_curves import CostCurves, FormsProbe
@@ -119,7 +120,8 @@ class HFTarget:
         config = config or TargetConfig()
         device = config.resolved_device()
         digits = QUANTIZED.get(config.dtype)
-        # A model whose weights are slow to read (the 1.5B, dequantised from its GGUF) loads
+        # A shipped model (the 1.5B's weights dequantised from its GGUF, the others' read in
+        # fp32 and mostly kept resident by the allocator after quantizing) loads
         # its int8 precisions from a snapshot: the tensors quantizing at load gives.
         loaded = None if digits is None else snapshot.load_quantized(config.model, digits)
         if loaded is not None:
@@ -133,6 +135,8 @@ class HFTarget:
             # The rest (embedding, norms, attention, KV) in bf16 where it is native, else
             # fp32 (w8a8/w8a16; int8's kernel takes bf16 rows); int8 weights stay int8.
             model.to(torch.bfloat16 if digits == 0 else activation_dtype())
+            if loaded is None:  # the fp32 weights just freed: gigabytes the allocator keeps
+                release_freed_memory()
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
                              config.prefix_spill_bytes)
         # The load-time probes' answers, kept per model, precision, forward shapes (the

@@ -26,7 +26,8 @@ class TargetConfig:
 
     Attributes:
         model: Embedded model name or a local Hugging Face folder (see ``resolve_model``).
-        dtype: ``"float32"`` (the reference), ``"bfloat16"`` or ``"int8"`` (int8
+        dtype: ``"auto"`` (the default), ``"float32"`` (the reference, by name),
+            ``"bfloat16"`` or ``"int8"`` (int8
             weight-only linear layers over bf16 activations, quantized at load from the fp32
             weights; CPU only, see :mod:`~agentspec.targets.kernels.int8`) or ``"w8a8"`` (int8
             weights and per-token int8 activations summed in int32: cheap multi-row verifies,
@@ -36,9 +37,10 @@ class TargetConfig:
             nearer fp32's than int8's, its prompt int8's; CPU only);
             each exact against plain decoding in the same precision (the others through
             shape-stable forwards, see
-            ``shape_stable``). ``"auto"`` becomes ``"w8a16"`` (or ``"int8"``) on a CPU
-            where they are fast, else ``"float32"`` (:func:`auto_dtype`); the config's
-            ``dtype`` holds the choice once built.
+            ``shape_stable``). ``"auto"`` becomes ``"w8a16"`` on a CPU whose torch has
+            the int8 product (``torch._int_mm``), else ``"float32"`` (on a GPU too; see
+            :func:`auto_dtype`); the config's ``dtype`` holds the choice once built, so
+            what a target reports is never ``"auto"``.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). The target's
             device owns every tensor that meets its model: drafters, heads and the prefix
             store follow it.
@@ -66,7 +68,7 @@ class TargetConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     prefix_cache_bytes: int | None = None
     prefix_spill_bytes: int = 0

@@ -18,7 +18,7 @@ from agentspec.drafters.suffix.drafter import SuffixConfig
 from agentspec.engine import EngineConfig, SpeculativeDecoder
 from agentspec.errors import BenchmarkError, ModelLoadError
 from agentspec.models import _convert_gguf, _embedded_gguf
-from agentspec.targets.hf import HFTarget
+from agentspec.targets.hf import HFTarget, TargetConfig
 
 pytestmark = pytest.mark.integration
 
@@ -160,7 +160,10 @@ def test_cli_bench_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "speed-up" in proc.stdout and "prompt_lookup" in proc.stdout
-    assert all(r["identical_to_greedy"] for r in json.loads(out.read_text())["results"])
+    data = json.loads(out.read_text())
+    assert all(r["identical_to_greedy"] for r in data["results"])
+    # The default precision, auto, is reported as what it resolved to on this machine.
+    assert data["config"]["dtype"] == TargetConfig().dtype != "auto"
 
 
 def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -> None:
@@ -168,6 +171,7 @@ def test_interleaved_mix_checks_agreement_and_pools(embedded_target: HFTarget) -
 
     report = run(["prompt_lookup", "suffix", "oracle"], [Part("smoke", 1, 2)],
                  progress=False, target=embedded_target)
+    assert report["dtype"] == embedded_target.dtype == "float32"
     pooled = report["pooled"]
     assert set(pooled) == {"prompt_lookup", "suffix", "oracle"}
     # Every method decoded the same tokens (checked per turn), and the pool is their sum.

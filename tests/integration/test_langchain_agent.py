@@ -21,6 +21,7 @@ from langchain_core.tools import tool
 
 from adapters.langchain import ChatAgentSpec
 from agentspec.spec import AgentSpec, DraftingPolicy
+from agentspec.targets.hf import TargetConfig
 from workflows.workloads.datasets import data_dir, load_delegate52
 
 pytestmark = pytest.mark.integration
@@ -89,6 +90,8 @@ def test_tool_call_text_is_drafted_from_the_session_cache() -> None:
     ids = [m.response_metadata["token_ids"] for m in msgs]
     assert ids[0] == ids[1] == ids[2] == ids[3]
     stats = [m.response_metadata["speculative"] for m in msgs]
+    # The default precision, auto, ran as this machine's choice (w8a16 on a CPU), and says so.
+    assert {s["dtype"] for s in stats} == {TargetConfig().dtype} != {"auto"}
     # The repeat drafts the whole call from the cache's history (forced prefix included).
     for warm in (stats[1], stats[2]):
         assert warm["forwards"] <= max(2, warm["generated_tokens"] // 4)

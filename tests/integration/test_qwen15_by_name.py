@@ -12,9 +12,14 @@ from __future__ import annotations
 import pytest
 
 from agentspec.cli.console import main
-from agentspec.models import LOOP_MODEL, SHIPPED_MODELS
+from agentspec.drafters.hybrid import HybridDrafter
+from agentspec.drafters.model.target_drafter import TargetDrafter
+from agentspec.models import AGENT_MODEL, LOOP_MODEL, SHIPPED_MODELS
+from agentspec.runtime import Runtime
+from agentspec.spec import AgentSpec, DraftingPolicy
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.kernels.precision import auto_dtype
+from agentspec.types import SessionRef
 
 pytestmark = [
     pytest.mark.integration,
@@ -59,4 +64,30 @@ def test_agentspec_models_lists_it(target: HFTarget,
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert f"{LOOP_MODEL}: converted" in out  # by the target's load, if not before
-    assert "not yet verified there), slower; licence Apache-2.0" in out
+    assert "as in llama.cpp), slower; licence Apache-2.0" in out
+
+
+@pytest.mark.skipif(not SHIPPED_MODELS[AGENT_MODEL].installed,
+                    reason=f"{AGENT_MODEL}, the 1.5B's draft model, is not installed (`make qwen`)")
+def test_hybrid_drafts_with_the_05b_and_says_what_plain_decoding_says(target: HFTarget) -> None:
+    """``hybrid`` on the 1.5B takes the 0.5B as its model drafter (in the 1.5B's precision,
+    a target of its own) and answers token for token as plain decoding; the draft model's
+    steps commit several tokens each. Each method runs under its own tenant, so neither
+    reuses the other's prompt KV (reuse feeds a prompt in other forwards than a cold
+    prefill, which may round differently)."""
+    runtime = Runtime(target, store=None)
+    plain = AgentSpec(drafting=DraftingPolicy(method="none"))
+    hybrid = AgentSpec(drafting=DraftingPolicy(method="hybrid"))
+    drafter = runtime.drafter_for(hybrid)
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.model, TargetDrafter)
+    assert drafter.model.name == f"model:{AGENT_MODEL}"
+    assert drafter.model.draft.dtype == target.dtype  # the target's precision
+    ask = [{"role": "user", "content": "Write a Python function that returns the n-th "
+                                       "Fibonacci number, iteratively."}]
+    ref = runtime.chat(ask, spec=plain, max_tokens=48, session=SessionRef("p", tenant="plain"))
+    got = runtime.chat(ask, spec=hybrid, max_tokens=48, session=SessionRef("h", tenant="hvd"))
+    assert got.text == ref.text
+    model_steps = [s for s in got.stats.steps if s.source == drafter.model.name]
+    assert model_steps, "the draft model never drafted"
+    accepted = sum(s.accepted for s in model_steps) / len(model_steps)
+    assert accepted >= 1.0, accepted  # the 0.5B agrees with the 1.5B most of the time

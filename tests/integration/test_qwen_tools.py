@@ -101,8 +101,10 @@ def test_weather_question_through_chat_agentspec(qwen_runtime: Runtime) -> None:
         """Get the current weather in a city."""
         return "sunny"
 
-    llm = ChatAgentSpec(model=AGENT_MODEL, store=False, max_tokens=40)
+    # fp32 by name: the fixture's runtime (one Qwen load), not a second model in "auto".
+    llm = ChatAgentSpec(model=AGENT_MODEL, dtype="float32", store=False, max_tokens=40)
     reply = llm.bind_tools([get_weather]).invoke(QUESTION[0]["content"])
+    assert reply.response_metadata["speculative"]["dtype"] == qwen_runtime.target.dtype
     assert len(reply.tool_calls) == 1, reply.content
     _paris(reply.tool_calls[0]["name"], reply.tool_calls[0]["args"])
 
@@ -128,9 +130,10 @@ def test_constrained_suffix_equals_constrained_greedy(qwen_runtime: Runtime) -> 
 
 
 @pytest.mark.slow
-def test_langgraph_example_calls_tools_and_finishes(qwen_runtime: Runtime) -> None:
+def test_langgraph_example_calls_tools_and_finishes() -> None:
     """examples/langgraph_agent.py: the model picks its tools, every call parses, and both
-    turns end with an answer (the example exits 1 otherwise)."""
+    turns end with an answer (the example exits 1 otherwise). In the default precision,
+    auto, as ``make demo`` runs it (w8a16 on a CPU: its own model, not the fp32 fixture's)."""
     import importlib.util
     from pathlib import Path
 

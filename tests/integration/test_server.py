@@ -70,7 +70,10 @@ def _model(runtime: Runtime) -> str:
 
 
 def test_models_health_and_auth(server: ServerThread, runtime: Runtime) -> None:
-    assert [m.id for m in _client(server).models.list()] == [_model(runtime)]
+    models = _client(server).models.list().data
+    assert [m.id for m in models] == [_model(runtime)]
+    # The card names the precision the model runs in (the fixture's, fp32 by name).
+    assert [getattr(m, "dtype", None) for m in models] == [runtime.target.dtype] == ["float32"]
     assert httpx.get(f"{server.root}/health").json()["status"] == "ok"
     for key in ("key-mallory", ""):
         with pytest.raises(openai.AuthenticationError) as err:

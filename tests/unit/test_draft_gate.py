@@ -431,6 +431,41 @@ def test_the_measurement_times_a_glitch_again(tiny_target,  # type: ignore[no-un
             return contextlib.nullcontext()
 
     monkeypatch.setattr(cost_meter, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    curve = tiny_target.meter.measure(Pad(), context=64, repeats=5)
+    curve = tiny_target.meter.measure(Pad(), context=64, repeats=5, budget_s=None)
     assert slow[0] == 0  # the five slowed forwards all landed on the first timing of 24
     assert curve == pytest.approx({k: 1.0 + k / 10 for k in costs.COST_POINTS})
+
+
+def test_a_measurement_past_its_budget_interpolates_the_points_left(
+        tiny_target, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Past the time budget the points not reached are interpolated between the measured
+    ones (the ends always measured first); a fake clock where a forward over k rows takes
+    1 + k/10 s and the curve bends at k = 8."""
+    from agentspec.targets.cost import cost_meter
+
+    clock, timed = [0.0], []
+
+    def cost(k: int) -> float:
+        return 1.0 + k / 10 if k <= 8 else 1.8 + (k - 8) / 5
+
+    class Pad:
+        def score(self, tokens: list[int]) -> None:
+            timed.append(len(tokens))
+            clock[0] += cost(len(tokens))
+
+        def rollback(self, n: int) -> None:
+            pass
+
+        def scratch(self, context: int, gen: object) -> Any:
+            return contextlib.nullcontext()
+
+    assert costs.MEASURE_ORDER[:2] == (1, 32)
+    assert sorted(costs.MEASURE_ORDER) == list(costs.COST_POINTS)
+    monkeypatch.setattr(cost_meter, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    curve = tiny_target.meter.measure(Pad(), context=64, repeats=3, budget_s=30.0)
+    assert set(timed) == {1, 32, 8, 2}  # the budget ran out after the 2-row point
+    assert set(curve) == set(costs.COST_POINTS)
+    measured = {k: cost(k) for k in (1, 2, 8, 32)}
+    assert curve == pytest.approx({k: costs.interpolate(measured, k)
+                                   for k in costs.COST_POINTS})
+    assert curve[4] == pytest.approx(cost(4)) and curve[24] == pytest.approx(cost(24))

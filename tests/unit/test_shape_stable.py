@@ -198,8 +198,9 @@ def test_policy_rules() -> None:
     assert cuda.one_shape and cuda.graphs and attend_length(5, cuda, 4096) == 4096
     auto = TargetConfig(dtype="bfloat16")
     assert stable_policy(auto, "cpu") is not None
-    assert stable_policy(TargetConfig(), "cpu") is None  # fp32 on the CPU: exact as it is
-    assert stable_policy(TargetConfig(), "cuda") is not None
+    fp32 = TargetConfig(dtype="float32")
+    assert stable_policy(fp32, "cpu") is None  # fp32 on the CPU: exact as it is
+    assert stable_policy(fp32, "cuda") is not None
     assert stable_policy(TargetConfig(dtype="bfloat16", shape_stable=False), "cuda") is None
 
 

@@ -69,13 +69,14 @@ REUSE = {"both": (True, False), "on": (True,), "off": (False,)}
 LABELS = {"plain": "plain", "prompt_lookup": "prompt lookup", "suffix": "default (suffix)",
           "arctic_suffix": "arctic", "suffix_chain": "default, chain drafts",
           "suffix_tree": "default, tree drafts", "suffix_ungated": "default, no draft gate",
-          "hybrid": "hybrid (HVD)", "model": "EAGLE head", "ceiling": "copy ceiling"}
+          "hybrid": "hybrid (HVD)", "model": "model drafter", "ceiling": "copy ceiling"}
 
 
-def _spec(method: str, max_draft: int) -> AgentSpec:
+def _spec(method: str, max_draft: int, draft_model: str | None = None) -> AgentSpec:
     # ``suffix`` is the product's default drafter (AgentSpec()'s), with the bench's length;
     # the ceiling runs with its engine settings and its own drafter (``_variant``).
-    return method_spec("suffix" if method == "ceiling" else method, max_draft=max_draft)
+    return method_spec("suffix" if method == "ceiling" else method, max_draft=max_draft,
+                       draft_model=draft_model)
 
 
 def _variant(method: str, target: HFTarget, spec: AgentSpec) -> tuple[Runtime, Any]:
@@ -123,8 +124,11 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, target: HFTarget | None = None,
         out: Path | None = None, progress: bool = True, model: str | None = None,
         workload: str = "traces", reuse: str = "both", device: str = "auto",
-        dtype: str = "float32") -> dict[str, Any]:
+        dtype: str = "auto", draft_model: str | None = None) -> dict[str, Any]:
     """Drive the sessions with every method, reuse on and off; return the report.
+
+    ``draft_model`` is the model drafter's model under ``model`` and ``hybrid`` (``None``:
+    the one the shipped target names, e.g. the 0.5B for the 1.5B).
 
     ``workload`` ``"traces"`` drives the logged runs in ``traces``; ``"tool_agent"`` the
     live tool agent (:mod:`workflows.bench.driven_sources`). ``max_prompt`` ``0`` (the
@@ -167,7 +171,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
     ceilings: dict[str, CopyCeilingDrafter] = {}
     stores: dict[str, PrefixCache] = {}
     for m in methods:
-        spec = _spec(m, max_draft)
+        spec = _spec(m, max_draft, draft_model)
         for on in REUSE[reuse]:
             name = f"{m}+reuse" if on else m
             store = PrefixCache(prefix_cache_bytes) if on else None
@@ -236,6 +240,7 @@ def run(methods: Sequence[str] = METHODS, traces: Sequence[str | Path] = (PACKAG
         report = summarize(rows, names, stores, dict(
             workload=workload, max_tokens=max_tokens, max_prompt=max_prompt,
             turns=planned, max_draft=max_draft, prefix_cache_bytes=prefix_cache_bytes,
+            draft_model=draft_model,
             model=base.name, dtype=base.dtype, load_s=round(load_s, 2),
             path="Runtime.chat",
             traces=[str(t) for t in traces] if workload == "traces" else []))
@@ -368,6 +373,11 @@ def add_drive_parser(sub: Any) -> None:
                         "many tokens (default 0: the model's context window)")
     p.add_argument("--turns", type=int, default=30, help="most turns in all (0: all)")
     p.add_argument("--max-draft", type=int, default=32)
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="draft model of the model and hybrid methods: a shipped model's name "
+                        "or a local Hugging Face folder sharing the model's tokenizer "
+                        "(default: the one the shipped model names, e.g. the 0.5B for the "
+                        "1.5B, else its EAGLE head)")
     p.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_BYTES >> 20,
                    help="prefix store budget per reuse variant (MiB)")
     p.add_argument("--reuse", choices=tuple(REUSE), default="both",
@@ -384,6 +394,6 @@ def run_drive_cli(args: argparse.Namespace) -> int:
                  args.max_tokens, args.max_prompt, args.turns, args.max_draft,
                  args.prefix_cache_mb << 20, out=args.out, model=args.model,
                  workload=args.workload, reuse=args.reuse, device=args.device,
-                 dtype=args.dtype)
+                 dtype=args.dtype, draft_model=args.draft_model)
     print(driven_table(report))
     return 0

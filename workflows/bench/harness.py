@@ -47,10 +47,14 @@ class BenchConfig:
         turns: Turns per session.
         out: Path of the JSON results (``None``: do not write).
         model: Model name or folder.
-        dtype: ``float32`` (the reference), ``bfloat16``, ``int8``, ``w8a8`` or ``w8a16``
-            (CPU only).
+        dtype: ``auto`` (the default; see :class:`~agentspec.targets.hf.TargetConfig`),
+            ``float32`` (the reference, by name), ``bfloat16``, ``int8``, ``w8a8`` or
+            ``w8a16`` (CPU only); the report's ``config.dtype`` is the precision it
+            resolved to.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         max_draft: Longest draft per verification.
+        draft_model: Draft model of the ``model`` and ``hybrid`` methods (``None``: the
+            shipped target's own choice, see :func:`agentspec.factory.draft_model_name`).
         data_dir: Data folder for the workloads that read files.
         progress: Show progress bars.
         quick: At most 2 sessions of 2 turns per workload and at most
@@ -66,9 +70,10 @@ class BenchConfig:
     turns: int = 3
     out: Path | None = None
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     max_draft: int = 16
+    draft_model: str | None = None
     data_dir: str | None = None
     progress: bool = True
     quick: bool = False
@@ -174,7 +179,8 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
                                             device=cfg.device))
     grammars = (GrammarCompiler.from_hf(target.tokenizer, target.vocab_size)
                 if cfg.constrained else None)
-    ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft), grammars=grammars)
+    ctx = MethodContext(target, engine=EngineConfig(max_draft=cfg.max_draft), grammars=grammars,
+                        draft_model=cfg.draft_model)
     built = [build_method(m, ctx) for m in methods]  # fail fast on unknown names
     fmt = format_for(target.tokenizer)  # the tool agent speaks the model's tool format
     workloads = [
@@ -248,6 +254,7 @@ def run_bench(cfg: BenchConfig, target: HFTarget | None = None) -> dict[str, Any
             "workloads": cfg.workloads, "methods": methods, "limit": cfg.limit,
             "turns": cfg.turns, "dtype": target.dtype,
             "max_draft": cfg.max_draft,
+            "draft_model": cfg.draft_model,
             "relay_prompt": cfg.relay_prompt, "constrained": cfg.constrained,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         },

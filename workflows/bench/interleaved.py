@@ -152,7 +152,8 @@ def run(methods: list[str], mix: list[Part], max_draft: int = 32, progress: bool
             pooled[m].merge(s)
     summary = {m: _stats_row(s) for m, s in pooled.items()}
     return {
-        "model": target.name, "methods": methods, "mix": [p.__dict__ for p in mix],
+        "model": target.name, "dtype": target.dtype, "methods": methods,
+        "mix": [p.__dict__ for p in mix],
         "max_draft": max_draft,
         "workloads": {w: {m: _stats_row(s) for m, s in per.items()} for w, per in totals.items()},
         "pooled": summary,

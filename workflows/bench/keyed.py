@@ -127,7 +127,8 @@ def _relay_jobs(target: HFTarget, domains: int, turns: int, cap: int, temperatur
 
 def run_keyed(args: argparse.Namespace) -> dict[str, Any]:
     """Measure both workloads (see the module docstring); the JSON-ready report."""
-    target = HFTarget.load(TargetConfig())
+    # fp32, the reference by name: what this study's tables are labelled and measured in.
+    target = HFTarget.load(TargetConfig(dtype="float32"))
     eos = [target.tokenizer.eos_token_id]
     decode = lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     cfg = EngineConfig(max_draft=args.draft)

@@ -73,12 +73,14 @@ class MethodContext:
             decode under their tool-call grammar (``auto``: a call's body is constrained
             once the model opens it), and ``greedy`` is the engine without drafts, under
             the same grammar (transformers' generate cannot be constrained).
+        draft_model: The draft model of ``model`` and ``hybrid`` (``bench --draft-model``).
     """
 
     target: HFTarget
     oracle: OracleDrafter = field(default_factory=OracleDrafter)
     engine: EngineConfig = field(default_factory=EngineConfig)
     grammars: GrammarCompiler | None = None
+    draft_model: str | None = None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids -> text without special tokens."""
@@ -91,11 +93,15 @@ class MethodContext:
 
     def spec(self, method: str) -> AgentSpec:
         """The AgentSpec of agentspec's ``method`` with this run's draft lengths."""
-        return method_spec(method, self.engine.max_draft, self.engine.min_draft)
+        return method_spec(method, self.engine.max_draft, self.engine.min_draft,
+                           self.draft_model)
 
 
-def method_spec(name: str, max_draft: int = 16, min_draft: int = 1) -> AgentSpec:
-    """The :class:`~agentspec.spec.AgentSpec` agentspec's method ``name`` runs.
+def method_spec(name: str, max_draft: int = 16, min_draft: int = 1,
+                draft_model: str | None = None) -> AgentSpec:
+    """The :class:`~agentspec.spec.AgentSpec` agentspec's method ``name`` runs;
+    ``draft_model`` is the model drafter's model of ``model`` and ``hybrid`` (``None``: the
+    one the target's shipped entry names, else its EAGLE head or distilled drafter).
 
     Raises:
         BenchmarkError: ``name`` is not one of agentspec's own methods, or the draft
@@ -127,6 +133,8 @@ def method_spec(name: str, max_draft: int = 16, min_draft: int = 1) -> AgentSpec
         drafting.update(method="hybrid", hvd_policy=_HVD_POLICIES[name])
     else:
         raise BenchmarkError(f"{name!r} is not one of agentspec's methods")
+    if draft_model is not None and drafting.get("method") in ("model", "hybrid"):
+        drafting["draft_model"] = draft_model
     try:
         return AgentSpec(drafting=DraftingPolicy(**drafting),  # type: ignore[arg-type]
                          verifier=VerifierPolicy(**verifier))  # type: ignore[arg-type]

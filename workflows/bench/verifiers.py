@@ -106,7 +106,8 @@ def _run(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure everything (see the module docstring); return the JSON-ready report."""
     torch.manual_seed(0)
-    target = HFTarget.load(TargetConfig())
+    # fp32, the reference by name: what this study's tables are labelled and measured in.
+    target = HFTarget.load(TargetConfig(dtype="float32"))
     tok = target.tokenizer
     eos = eos_ids(tok)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731

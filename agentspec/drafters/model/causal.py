@@ -99,24 +99,32 @@ class ModelDrafter:
         vocab_size: int | None = None,
         name: str = "model",
     ) -> None:
+        own = int(model.get_output_embeddings().weight.shape[0])
+        self._init_state(config, name, min(own, vocab_size) if vocab_size is not None else own,
+                         device=next(model.parameters()).device,
+                         max_positions=int(getattr(model.config, "max_position_embeddings",
+                                                   8192) or 8192))
         self.model = model
+        # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _init_state(self, config: ModelDrafterConfig | None, name: str, vocab: int,
+                    device: torch.device, max_positions: int) -> None:
+        """The state every model drafter keeps, whatever runs its forwards."""
         self.config = config or ModelDrafterConfig()
         self.name = name
-        own = int(model.get_output_embeddings().weight.shape[0])
-        self.vocab = min(own, vocab_size) if vocab_size is not None else own
-        self.device = next(model.parameters()).device
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
+        self.vocab = vocab
+        self.device = device
+        self.max_positions = max_positions
         self.forwards = 0  # drafter forward passes, for cost accounting
         self._rng = torch.Generator().manual_seed(self.config.seed)
         # Each request's generator, in the one home of per-request state. The KV cache
-        # below is the model's, not a request's: it is re-synced (cropped to the common
+        # is the model's, not a request's: it is re-synced (cropped to the common
         # prefix) with whatever context comes next.
         self._rngs: Slot[torch.Generator] = REQUESTS.slot("causal")
         self._cache: Any = None
         self._cached: list[int] = []  # tokens whose keys/values the cache holds
-        # transformers 5.2x renames forward(past_key_values=) to forward(cache=).
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @classmethod
     def load(

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["BF16_SLOWDOWN", "bf16_native", "cpuinfo", "threads"]
+__all__ = ["BF16_SLOWDOWN", "bf16_native", "cpuinfo", "release_freed_memory", "threads"]
 
 
 def cpuinfo(field: str) -> str:
@@ -77,3 +77,23 @@ def bf16_native() -> bool:
         fp32 = best(a, b)
         bf16 = best(a.bfloat16(), b.bfloat16())
     return bf16 <= BF16_SLOWDOWN * fp32
+
+
+def release_freed_memory() -> None:
+    """Hand the memory of freed tensors back to the system (glibc's ``malloc_trim``).
+
+    Loading fp32 weights to quantize them frees gigabytes at once; glibc keeps most of it
+    in its arenas, so the process stays that large. Called after such a load; a libc
+    without ``malloc_trim`` (musl, macOS) keeps its own policy."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim(0)

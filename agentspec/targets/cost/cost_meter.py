@@ -180,11 +180,16 @@ class CostMeter:
             yield
 
     def measure(self, pad: Scratchpad, context: int = costs.SHORT_CONTEXT,
-                repeats: int = 5, bar: Any = None) -> Curve:
+                repeats: int = 5, bar: Any = None,
+                budget_s: float | None = costs.MEASURE_BUDGET_S) -> Curve:
         """Time one forward over k tokens on a ``context``-position cache of random keys and
         values (median of ``repeats``; ``bar``: a progress bar to advance, or None). No
         prompt of ``context`` tokens is prefilled: attention costs the same whatever the
         keys are.
+
+        The points are taken in :data:`costs.MEASURE_ORDER`; once ``budget_s`` seconds
+        have passed (``None``: no limit) the points not yet measured are interpolated
+        between the measured ones (the two ends always are).
 
         A point another process slowed down is timed again (:func:`costs.glitches`: more
         than :data:`costs.GLITCH` times the next point, or the last one above its slope);
@@ -198,8 +203,12 @@ class CostMeter:
             with pad.scratch(context, gen):
                 pad.score(ids)  # warm-up
                 pad.rollback(len(ids))
+                deadline = None if budget_s is None else time.perf_counter() + budget_s
                 curve: Curve = {}
-                for k in costs.COST_POINTS:
+                for k in costs.MEASURE_ORDER:
+                    if len(curve) >= 2 and deadline is not None and \
+                            time.perf_counter() > deadline:
+                        break
                     curve[k] = self._median_forward(pad, ids[:k], repeats)
                     if bar is not None:
                         bar.update(1)
@@ -207,7 +216,11 @@ class CostMeter:
                     curve[k] = min(curve[k], self._median_forward(pad, ids[:k], repeats))
         finally:
             self.measuring = False
-        return costs.without_glitches(curve)
+        if bar is not None:  # the points left to interpolation
+            bar.update(len(costs.COST_POINTS) - len(curve))
+        fixed = costs.without_glitches(curve)
+        return {k: fixed[k] if k in fixed else costs.interpolate(fixed, k)
+                for k in costs.COST_POINTS}
 
     def _median_forward(self, pad: Scratchpad, ids: list[int], repeats: int) -> float:
         """Median seconds of one forward over ``ids`` (each rolled back)."""

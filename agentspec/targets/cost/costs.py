@@ -28,6 +28,16 @@ from typing import Any
 
 #: Draft lengths at which c(k) is measured; others are interpolated linearly.
 COST_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: The order measuring takes the points in: the two ends first (the others are then
+#: interpolated between measured points, never extrapolated), then the points that split
+#: the widest gaps left. Under a time budget the points not reached are interpolated.
+MEASURE_ORDER = (1, 32, 8, 2, 16, 4, 24, 12, 3, 6)
+#: Seconds one curve's measuring may take at load before its remaining points are
+#: interpolated (the ends are always measured). c(k) is close to linear in k between the
+#: points measured first, and the live estimate refines it from real verifies
+#: (:mod:`agentspec.targets.cost.live_cost`): a first load should not cost minutes of
+#: timing on a large model or a busy machine.
+MEASURE_BUDGET_S = 4.0
 #: Cache positions of the base curve ``verify_cost`` reads.
 SHORT_CONTEXT = 500
 #: Cache positions of the long curve (or the model's window less room for the draft).

@@ -27,7 +27,8 @@ kernel does; outputs are tested token-identical as before.
 Estimates. ``ratio(t, r, c) = exp((w·mean_log + m·log fallback) / (w + m))`` with ``w`` the
 cell's decayed weight (half-life ``half_life`` seconds of wall time), ``m`` pseudo
 observations at the fallback: the next shorter row bucket of the same thread count, and for
-one-row forwards the other contexts' one-row cells (or 1). A cell with no evidence thus
+one-row forwards the other contexts' one-row cells, else every cell's evidence pooled (or
+1). A cell with no evidence thus
 costs what the prior curve says scaled as its nearest observed neighbour, so a draft length
 never tried is neither free nor forbidden; a one-thread cell starts as the same cell with
 ``T`` threads.
@@ -169,11 +170,22 @@ class LiveCost:
             fallback = self._ratio(self.threads, rb, cb, now)
         elif rb > 0:
             fallback = self._ratio(t, rb - 1, cb, now)
-        else:  # one-row forwards at other contexts, else the prior itself
+        else:  # one-row forwards at other contexts, else every cell, else the prior
             logs = [c.decayed(now, self.config.half_life) for (tt, r, b), c in
                     self._cells.items() if tt == t and r == 0 and b != cb]
             w = sum(x[1] for x in logs)
-            fallback = math.exp(sum(x[0] for x in logs) / w) if w > 0 else 1.0
+            if w > 0:
+                fallback = math.exp(sum(x[0] for x in logs) / w)
+            else:
+                # No one-row evidence with T threads: the machine-wide ratio of whatever
+                # was timed, shrunk toward the prior by ``m`` pseudo observations so that
+                # it decays with its evidence (a prior measured under load is stale for
+                # every k alike, and a policy that only ever runs 2-row verifies with one
+                # thread would otherwise price the rest at the stale prior, never trying
+                # them).
+                logs = [c.decayed(now, self.config.half_life) for c in self._cells.values()]
+                total = sum(x[0] for x in logs)
+                fallback = math.exp(total / (sum(x[1] for x in logs) + self.config.pseudo))
         m = self.config.pseudo
         if cell is None:
             return fallback
