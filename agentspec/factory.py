@@ -151,16 +151,14 @@ def draft_target_drafter(spec: AgentSpec, target: Target) -> Drafter | None:
         return None
     from agentspec.drafters.model.causal import ModelDrafterConfig
     from agentspec.drafters.model.target_drafter import TargetDrafter
+    from agentspec.payoff.predictor import tokenizer_fingerprint
 
     draft = HFTarget.load(TargetConfig(model=name, dtype=target.dtype, device=target.device,
                                        measure_costs=False,
                                        prefix_cache_bytes=DRAFT_PREFIX_BYTES))
-    ours, theirs = draft.tokenizer, target.tokenizer
-    probe = range(0, min(len(ours), len(theirs)), 97)
-    if len(ours) != len(theirs) or (ours.convert_ids_to_tokens(list(probe))
-                                     != theirs.convert_ids_to_tokens(list(probe))):
+    if tokenizer_fingerprint(draft.tokenizer) != tokenizer_fingerprint(target.tokenizer):
         raise ConfigError(f"draft model {name!r} does not share {target.name!r}'s tokenizer "
-                          f"({len(ours)} vs {len(theirs)} tokens)")
+                          f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens)")
     drafter = TargetDrafter(draft, ModelDrafterConfig(max_tokens=spec.drafting.model_max),
                             vocab_size=target.vocab_size)
     drafter.warm()

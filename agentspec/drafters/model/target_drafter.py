@@ -75,10 +75,6 @@ class TargetDrafter(ModelDrafter):
                           "sequence at a time; multi-draft verification (num_drafts > 1) "
                           "needs drafting.method='model' with a transformers draft model")
 
-    def reset(self) -> None:
-        """Forget the cached tokens (the next draft starts with a prefill)."""
-        self._cached = []
-
     def warm(self, tokens: Sequence[int] = (0, 1, 2, 3, 4, 5, 6, 7)) -> None:
         """Run the forwards a draft runs once, outside any request: a draft target does
         one-time work on its first forwards (its direct decode step checks itself against
@@ -91,7 +87,7 @@ class TargetDrafter(ModelDrafter):
         self.draft.score(list(tokens[-3:-2]))  # one-row steps, as drafting runs them
         self.draft.score(list(tokens[-2:-1]))
         self.draft.score(list(tokens[-1:]) * 2)  # a multi-row sync
-        self.reset()
+        self.reset()  # (ModelDrafter's: the next draft starts with a prefill)
 
     # -- where the logits come from --------------------------------------------------------
 
