@@ -11,7 +11,19 @@ reached through its module (``agentspec.drafters.suffix``, ``agentspec.verifiers
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+#: Whether this import set torch's OpenMP wait policy (read once, when torch loads).
+#: Idle OpenMP workers spin by default; a CPU target's forward alternates torch's
+#: operators with the native kernels' own thread pool, and on a machine with as many cores
+#: as threads the spinning workers take the cores the other pool's work needs (measured in
+#: ``docs/cpu_step.md``). ``PASSIVE`` lets them sleep. Only where torch is not loaded yet
+#: (else it has read the variable) and the user has not set it (their setting wins).
+_OMP_POLICY_SET = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ
+if _OMP_POLICY_SET:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs; never run
     from agentspec.chat.api import ChatResult, ChatRuntime, ToolChoice

@@ -68,7 +68,9 @@ class Target(ServedModel, Protocol):
         """Start a request whose cache holds ``tokens``; return the last position's logits
         ``[V]``. ``scope`` (the tenant) lets a target that keeps KV across requests reuse
         a prefix fed under the same scope; ``None``, or a target without reuse, feeds
-        every token on a reset cache. The logits are the same either way."""
+        every token on a reset cache. The logits are the same either way up to rounding
+        (reused KV is recomputed KV up to the rounding of a k-row forward, which can flip
+        a near-tie: docs/prefix-cache.md)."""
         ...
 
     def score(self, tokens: Sequence[int]) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """A plain decode step of the int8 family with its products on each kernel: the native
-few-rows kernel against ``torch._int_mm``, and fp32 as the reference, interleaved in one
-process (the machine's load drifts; ratios within a round are what to read).
+few-rows kernel, ``torch._int_mm``, and the product's own choice (timed per forward,
+``int8_mm.py``), with fp32 as the reference, interleaved in one process (the machine's load
+drifts; ratios within a round are what to read).
 
     python scripts/int8_step.py --model qwen2.5-coder-0.5b-instruct --context 500 \
         --dtypes float32,w8a16 --rounds 5 --out results/int8_step.json
 
 Per dtype and kernel: the median and the best of ``--rounds`` rounds of ``--tokens`` plain
 greedy steps after a ``--context``-token prompt (ms per step), and whether every variant
-produced the same tokens as the first of its dtype. Run it under
+produced the same tokens as the first of its dtype. ``import agentspec`` (first here) lets
+torch's idle OpenMP workers sleep; ``OMP_WAIT_POLICY=`` (set, empty) keeps OpenMP's own
+default for a comparison. Run it under
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (and ``AGENTSPEC_NATIVE_LIBRARY`` set to
 an AVX2 build of the native library) to see an AVX2-only CPU's numbers on an AVX-512 one.
 """
@@ -15,31 +18,25 @@ an AVX2 build of the native library) to see an AVX2-only CPU's numbers on an AVX
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# isort: off
+import agentspec  # noqa: F401  (before torch: it sets the OpenMP wait policy torch reads)
+import torch
+# isort: on
 
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.kernels import int8_mm
 from agentspec.targets.kernels.precision import activation_dtype
-
-
-class _Forced(dict):  # type: ignore[type-arg]
-    """int8_mm's choice table answering one kernel for every shape."""
-
-    def __init__(self, native: bool) -> None:
-        super().__init__()
-        self.native = native
-
-    def get(self, key: object, default: object = None) -> bool:
-        return self.native
 
 
 def _steps(target: HFTarget, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
@@ -63,23 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
-    variants: list[tuple[str, HFTarget, bool | None]] = []
+    variants: list[tuple[str, HFTarget, str]] = []
     for dtype in args.dtypes.split(","):
         target = HFTarget.load(TargetConfig(model=args.model, dtype=dtype, device="cpu",
                                             measure_costs=False))
-        kernels = [True, False] if dtype in ("w8a8", "w8a16") else [None]
-        variants += [(f"{target.dtype}" + ("" if k is None else
-                                          "/native" if k else "/_int_mm"), target, k)
-                     for k in kernels]
+        kernels = ["measured", "native", "_int_mm"] if dtype in ("w8a8", "w8a16") else [""]
+        variants += [(f"{target.dtype}" + (f"/{k}" if k else ""), target, k) for k in kernels]
     vocab = variants[0][1].vocab_size
     prompt = torch.randint(100, min(vocab, 30000), (args.context,), generator=gen).tolist()
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     outputs: dict[str, list[int]] = {}
     for _ in range(args.rounds):
-        for name, target, native in variants:
-            if native is not None:
-                int8_mm._choice = _Forced(native)  # type: ignore[assignment]
-            step, out = _steps(target, prompt, args.tokens)
+        for name, target, kernel in variants:
+            with (int8_mm.forced(kernel == "native") if kernel in ("native", "_int_mm")
+                  else contextlib.nullcontext()):
+                step, out = _steps(target, prompt, args.tokens)
             times[name].append(step)
             outputs.setdefault(name, out)
     rows: list[dict[str, Any]] = []
@@ -90,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     info = {"model": args.model, "context": args.context, "tokens": args.tokens,
             "rounds": args.rounds, "threads": torch.get_num_threads(),
             "native_path": int8_mm.path(), "int_mm_exact": int8_mm.int_mm_exact(),
-            "activation_dtype": str(activation_dtype()), "rows": rows}
+            "activation_dtype": str(activation_dtype()), "choices": int8_mm.choices(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "") or "OpenMP's default",
+            "rows": rows}
     print(f"{args.model}, {args.context}-token context, {info['threads']} threads, native "
           f"path {info['native_path']}, _int_mm exact {info['int_mm_exact']}, activations "
-          f"{info['activation_dtype']}")
+          f"{info['activation_dtype']}, OMP_WAIT_POLICY {info['omp_wait_policy']}")
     print(f"{'variant':<20} {'median ms':>10} {'best ms':>9} {'tok/s':>7}  same tokens")
     for r in rows:
         print(f"{r['variant']:<20} {r['median_ms']:>10.1f} {r['best_ms']:>9.1f} "

@@ -1,9 +1,6 @@
 """The transformers target: a causal LM with a KV cache that can score many tokens in one
-forward and roll rejected positions back exactly.
-
-fp32 (the default) is the exact mode: speculative output is token-identical to plain greedy
-decoding. bf16 is an opt-in fast mode whose numerics depend on batch shape, so its
-divergence is measured rather than promised.
+forward and roll rejected positions back exactly (each precision's speculation is
+token-identical to its own plain greedy decoding: ``docs/cpu_step.md``).
 
 :class:`HFTarget` owns one request's state and composes the parts that act on it:
 :class:`~agentspec.targets.forward.kv.ModelKV` (the model, its KV cache and every forward),
@@ -33,7 +30,7 @@ from agentspec.targets.forward import attention
 from agentspec.targets.forward.kv import ModelKV
 from agentspec.targets.forward.shapes import StablePolicy
 from agentspec.targets.kernels import int8, linear, w8a8
-from agentspec.targets.kernels.precision import QUANTIZED, activation_dtype
+from agentspec.targets.kernels.precision import QUANTIZED, rest_dtype
 from agentspec.targets.probes.policy import stable_policy
 from agentspec.targets.probes.probe_cache import ProbeCache, is_row_limit, probe_key
 from agentspec.targets.probes.prompt import prompt_thread_rows
@@ -134,7 +131,7 @@ class HFTarget:
         if digits is not None:
             # The rest (embedding, norms, attention, KV) in bf16 where it is native, else
             # fp32 (w8a8/w8a16; int8's kernel takes bf16 rows); int8 weights stay int8.
-            model.to(torch.bfloat16 if digits == 0 else activation_dtype())
+            model.to(rest_dtype(digits))
             if loaded is None:  # the fp32 weights just freed: gigabytes the allocator keeps
                 release_freed_memory()
         store = prefix_store(files, config.dtype, config.prefix_cache_bytes,
@@ -356,8 +353,7 @@ class HFTarget:
 
     @property
     def curves(self) -> CostCurves:
-        """The measured c(k, L) curves and their file (measured at load, never in a
-        request)."""
+        """The measured c(k, L) curves and their file (measured at load, never in a request)."""
         return self.meter.curves
 
     @curves.setter
@@ -365,11 +361,8 @@ class HFTarget:
         self.meter.curves = curves
 
     def verify_cost(self, k: int) -> float:
-        """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache.
-
-        Measured once per model, dtype, device and machine, then cached as JSON under
-        ``$AGENTSPEC_HOME/costs``.
-        """
+        """Measured seconds of one forward over ``k`` new tokens with a ~500-token cache
+        (once per model, dtype, device and machine; cached under ``$AGENTSPEC_HOME/costs``)."""
         return self.meter.verify_cost(k)
 
     @property

@@ -1,6 +1,6 @@
 """The native int8 products of few rows: the same int32 sums as ``torch._int_mm`` for every
 shape, row count and thread count (odd widths, the tails past the vector loop, extreme
-values), the choice between the two kernels measured per shape, and a whole w8a16 model's
+values), the choice between the two kernels measured per forward, and a whole w8a16 model's
 logits the same on either kernel."""
 
 from __future__ import annotations
@@ -36,21 +36,81 @@ def test_sums_equal_int_mm_for_any_rows_and_threads(n: int, k: int, m: int) -> N
         torch.set_num_threads(threads)
 
 
-def test_the_kernel_choice_is_measured_per_shape_and_bucket() -> None:
-    """Per weight shape and row bucket both kernels are timed once (where ``_int_mm`` is
-    exact here; where it is not, no choice is made: every product is native)."""
+class _Counted:
+    """Which kernel each product took, and a fake clock each kernel's products advance."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, native_s: float, int_mm_s: float) -> None:
+        self.calls: list[str] = []
+        self.now = 0.0
+        ours, theirs = int8_mm.native_mm, torch._int_mm
+
+        def native_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+            self.calls.append("native")
+            self.now += native_s
+            return ours(a, w)
+
+        def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            self.calls.append("_int_mm")
+            self.now += int_mm_s
+            return theirs(a, b)
+
+        monkeypatch.setattr(int8_mm, "native_mm", native_mm)
+        monkeypatch.setattr(torch, "_int_mm", int_mm)
+        monkeypatch.setattr(int8_mm, "_clock", lambda: self.now)
+        monkeypatch.setattr(int8_mm, "_trials", {})
+
+    def forward(self, a: torch.Tensor, ws: list[torch.Tensor]) -> str:
+        """A timed forward of one product per weight: the one kernel it took."""
+        self.calls.clear()
+        with int8_mm.timed_forward():
+            for w in ws:
+                assert torch.equal(int8_mm.int8_mm(a, w), a.int() @ w.int().t())
+        (kernel,) = set(self.calls)  # every product of a forward on one kernel
+        return kernel
+
+
+@pytest.mark.parametrize("native_faster", [True, False])
+def test_the_kernel_is_chosen_by_timing_whole_forwards(
+        monkeypatch: pytest.MonkeyPatch, native_faster: bool) -> None:
+    """Per model (first weight's shape), row bucket and thread count, the first forwards
+    alternate kernels (TRIALS each, native first), then every forward takes the one whose
+    forwards were faster; a product outside a timed forward takes the native kernel."""
+    if not int8_mm.int_mm_exact():
+        pytest.skip("torch._int_mm is not exact here: every product is native (tested below)")
+    clock = _Counted(monkeypatch, *((1.0, 2.0) if native_faster else (2.0, 1.0)))
     gen = torch.Generator().manual_seed(1)
-    w = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
-    for m in (1, 2, 3, 5):
-        a = torch.randint(-127, 128, (m, 64), generator=gen, dtype=torch.int8)
-        assert torch.equal(int8_mm.int8_mm(a, w), a.int() @ w.int().t())
-    seen = int8_mm.choices()
-    buckets = {"48x64,rows<=1", "48x64,rows<=2", "48x64,rows<=4", "48x64,rows<=8"}
-    if int8_mm.int_mm_exact():
-        assert buckets <= set(seen)
-    else:
-        assert not buckets & set(seen)
-    assert set(seen.values()) <= {"native", "_int_mm"}
+    ws = [torch.randint(-127, 128, (48 + i, 64), generator=gen, dtype=torch.int8)
+          for i in range(3)]
+    a = torch.randint(-127, 128, (2, 64), generator=gen, dtype=torch.int8)
+    free = torch.randint(-127, 128, (2, 64), generator=gen, dtype=torch.int8)
+    int8_mm.int8_mm(free, ws[0])
+    assert clock.calls == ["native"]  # outside a timed forward: native
+    trials = [clock.forward(a, ws) for _ in range(2 * int8_mm.TRIALS)]
+    assert trials == ["native", "_int_mm"] * int8_mm.TRIALS
+    kept = "native" if native_faster else "_int_mm"
+    assert [clock.forward(a, ws) for _ in range(3)] == [kept] * 3
+    clock.calls.clear()
+    int8_mm.int8_mm(free, ws[1])
+    assert clock.calls == ["native"]
+    threads = torch.get_num_threads()
+    assert int8_mm.choices() == {f"48x64,rows<=2,threads={threads}": kept}
+    # Another bucket (5 rows: bucket 8) and another model (first weight 49 x 64) have
+    # their own trials.
+    assert clock.forward(torch.ones(5, 64, dtype=torch.int8), ws) == "native"
+    assert clock.forward(a, ws[1:]) == "native"
+    assert int8_mm.choices()[f"48x64,rows<=8,threads={threads}"] == "timing"
+    assert int8_mm.choices()[f"49x64,rows<=2,threads={threads}"] == "timing"
+
+
+def test_a_forward_that_raises_is_not_a_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not int8_mm.int_mm_exact():
+        pytest.skip("torch._int_mm is not exact here: no trials")
+    clock = _Counted(monkeypatch, 1.0, 2.0)
+    w = torch.ones(8, 32, dtype=torch.int8)
+    with pytest.raises(RuntimeError), int8_mm.timed_forward():
+        int8_mm.int8_mm(torch.ones(1, 32, dtype=torch.int8), w)
+        raise RuntimeError("cancelled")
+    assert clock.forward(torch.ones(1, 32, dtype=torch.int8), [w]) == "native"  # still first
     assert int8_mm.path() in ("avx512vnni", "avxvnni", "avx2", "c")
 
 
@@ -65,8 +125,7 @@ def test_a_w8a16_models_logits_are_the_same_on_either_kernel(
     for use_native in (True, False):
         if not use_native:
             monkeypatch.setattr(int8_mm, "native_mm", lambda a, w: None)
-        monkeypatch.setattr(int8_mm, "_choice", {})
-        monkeypatch.setattr(int8_mm, "_median_s", lambda fn: 0.0)  # ties go native
+        monkeypatch.setattr(int8_mm, "_trials", {})  # nothing kept: native first
         with torch.no_grad():
             outs.append(torch.cat([model(ids[:, : i + 1]).logits[0, -1:] for i in range(9)]))
     assert torch.equal(outs[0], outs[1])

@@ -16,6 +16,7 @@ from agentspec.errors import ModelLoadError
 from agentspec.models import SHIPPED_MODELS, ModelFiles, ShippedModel
 from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.kernels import int8, snapshot, w8a8
+from agentspec.targets.kernels.precision import rest_dtype
 from tests.conftest import tiny_llama
 
 
@@ -34,23 +35,26 @@ MODELS = {"llama": lambda: tiny_llama(), "qwen2": tiny_qwen2}
 
 
 def _at_load(fp32: Any, digits: int) -> Any:
-    """What HFTarget.load does without a snapshot."""
+    """What HFTarget.load does without a snapshot (the rest in bf16 where this CPU has it
+    natively, else fp32, as HFTarget.load keeps it)."""
     model = copy.deepcopy(fp32)
     int8.quantize_linears(model, activations=digits)
-    return model.to(torch.bfloat16)
+    return model.to(rest_dtype(digits))
 
 
 def _from_snapshot(fp32: Any, digits: int, tmp_path: Path) -> Any:
     folder = tmp_path / "folder"
     fp32.config.save_pretrained(folder)
     snapshot.write(fp32, tmp_path / "s.safetensors")
-    return snapshot.read(tmp_path / "s.safetensors", folder, digits)
+    return snapshot.read(tmp_path / "s.safetensors", folder, digits).to(rest_dtype(digits))
 
 
 def _load(name: str, digits: int) -> tuple[Any, Any, ModelFiles]:
+    """A snapshot's model as HFTarget.load keeps it."""
     loaded = snapshot.load_quantized(name, digits)
     assert loaded is not None
-    return loaded
+    model, tok, files = loaded
+    return model.to(rest_dtype(digits)), tok, files
 
 
 def _logits(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from agentspec.targets.cost.cost_curves import CostCurves, FormsProbe, Probe
 from agentspec.targets.cost.costs import Curve
 from agentspec.targets.cost.live_cost import LiveCost
 from agentspec.targets.forward.kv import ModelKV
+from agentspec.targets.kernels import int8_mm
 
 
 class Scratchpad(Protocol):
@@ -155,7 +156,8 @@ class CostMeter:
         # The decoder whose check this forward may run (None: no check pending).
         checking = (decoder if decoder is not None and decoder.usable and not decoder.checked
                     else None)
-        with cpu.threads(threads):
+        # One int8 kernel for all the forward's products, timed for its choice (int8_mm).
+        with cpu.threads(threads), int8_mm.timed_forward():
             t0 = time.perf_counter()
             yield
             if device == "cuda":

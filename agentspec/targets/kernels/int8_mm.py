@@ -1,14 +1,25 @@
-"""int8 x int8 products summed in int32, each shape on the kernel that is fastest for it
-here: the native few-rows kernel (:mod:`.native`, ``_int8_mm.c``: every weight read once
-from its buffer, each activation row dotted with it while it is in L1) or
-``torch._int_mm`` (a GEMM library's int8 path, which wins from some row count on).
+"""int8 x int8 products summed in int32, each forward's products on the kernel that is
+fastest for its row count here: the native few-rows kernel (:mod:`.native`, ``_int8_mm.c``:
+every weight read once from its buffer, each activation row dotted with it while it is in
+L1) or ``torch._int_mm`` (a GEMM library's int8 path, which wins from some row count on).
 
 Why a choice costs no exactness: an int32 sum of int8 products has one value whatever
 kernel, vector width, row count or thread count computes it (|a|, |w| <= 127: no partial
 sum overflows), so a one-row step and a k-row verify may take different kernels and give
-the same bits. The choice is measured, not assumed from CPU flags: per weight shape and
-row bucket (1, 2, 4, ... rows) the first call times both kernels on its own operands
-(:data:`TRIALS` each, median) and keeps the faster for that bucket from then on.
+the same bits.
+
+Why the choice is measured per forward, not per product: the two kernels run on two
+thread pools (the native pool, and the OpenMP pool torch's GEMM uses). A product timed
+alone measures one pool with the machine to itself; inside a forward that mixes the two,
+each pool's workers spin-wait for their next job while the other's run, and on a 2-core
+machine they take turns on the cores. Timed alone per product, ``_int_mm`` won half of
+Qwen2.5-0.5B's decode shapes; in the forward, every product on the native kernel made the
+one-row step clearly faster than that mix (``docs/cpu_step.md``). So each forward the target
+times (:func:`timed_forward`, the cost meter's wrapper around a request's forward) puts all
+its products on one kernel; per model (its first product's weight shape), row bucket (1,
+2, 4, ... product rows) and thread count the first :data:`TRIALS` forwards on each kernel
+alternate, and the faster median is kept. Products outside a timed forward (a prompt
+chunk's, the load-time cost measurement's) take the native kernel.
 
 Where ``torch._int_mm`` is not exact it is never used (:func:`int_mm_exact`, probed once
 per process): without VNNI, oneDNN's AVX2 int8 GEMM multiplies unsigned by signed bytes
@@ -21,26 +32,53 @@ product takes the native kernel (or, without the library, an int32 matmul: exact
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from agentspec.targets.kernels import native
 
-__all__ = ["MAX_NATIVE_ROWS", "TRIALS", "choices", "int8_mm", "int_mm_exact", "native_mm",
-           "path"]
+__all__ = ["MAX_NATIVE_ROWS", "TRIALS", "choices", "forced", "int8_mm", "int_mm_exact",
+           "native_mm", "path", "timed_forward"]
 
 #: Row counts above this always take ``torch._int_mm`` (the native kernel reads each
 #: weight once per call but computes one row at a time: a GEMM wins long before this).
 MAX_NATIVE_ROWS = 64
-#: Timed calls of each kernel per shape and row bucket.
+#: Timed forwards on each kernel per row bucket and thread count before one is kept.
 TRIALS = 3
 
-_choice: dict[tuple[int, int, int], bool] = {}  # (out, in, bucket) -> native is faster
-_choice_lock = threading.Lock()
+
+@dataclass
+class _Trials:
+    """One row bucket's and thread count's timed forwards (seconds) and the kept kernel."""
+
+    native: list[float] = field(default_factory=list)
+    int_mm: list[float] = field(default_factory=list)
+    fast: bool | None = None  # native is faster; None while trials run
+
+
+@dataclass
+class _Forward:
+    """The kernel one timed forward's products take, fixed at its first product."""
+
+    key: tuple[int, int, int, int] | None = None  # (first weight's out, in, bucket, threads)
+    native: bool = True
+    trial: bool = False  # the forward is one of its bucket's trials
+
+
+_trials: dict[tuple[int, int, int, int], _Trials] = {}
+_trials_lock = threading.Lock()
+_clock = time.perf_counter  # a test's fake clock replaces it
+_force: bool | None = None  # forced(): every product on one kernel
+_forward: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar(
+    "agentspec_int8_forward", default=None)
 
 
 def path() -> str | None:
@@ -92,18 +130,74 @@ def _bucket(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def _median_s(fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(TRIALS):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+@contextmanager
+def timed_forward() -> Iterator[None]:
+    """Run one forward whose int8 products all take one kernel, and time it for the
+    choice: while its bucket's trials run, the kernel with fewer trials (native first);
+    then the faster one. A forward that raises is not counted."""
+    record = _Forward()
+    token = _forward.set(record)
+    t0 = _clock()
+    try:
+        yield
+    finally:
+        _forward.reset(token)
+    if record.key is not None and record.trial:
+        _observe(record.key, record.native, _clock() - t0)
+
+
+@contextmanager
+def forced(native: bool) -> Iterator[None]:
+    """Put every product of up to :data:`MAX_NATIVE_ROWS` rows on one kernel (the native
+    one, or ``torch._int_mm`` where it is exact) for the block, trials aside: benchmarks
+    comparing the two (the bits are the same)."""
+    global _force
+    before, _force = _force, native
+    try:
+        yield
+    finally:
+        _force = before
+
+
+def _observe(key: tuple[int, int, int, int], was_native: bool, seconds: float) -> None:
+    with _trials_lock:
+        trials = _trials.setdefault(key, _Trials())
+        if trials.fast is not None:
+            return
+        (trials.native if was_native else trials.int_mm).append(seconds)
+        if len(trials.native) >= TRIALS and len(trials.int_mm) >= TRIALS:
+            trials.fast = statistics.median(trials.native) <= statistics.median(trials.int_mm)
+
+
+def _takes_native(m: int, w: torch.Tensor) -> bool:
+    """Whether a product of ``m`` rows (at most :data:`MAX_NATIVE_ROWS`) by ``w`` takes the
+    native kernel: its timed forward's kernel (outside one: the native kernel).
+
+    A forward's trials are keyed by its first product's weight shape too (a model's first
+    layer: two models in one process, a target and its draft model, are timed apart)."""
+    if _force is not None:
+        return _force
+    record = _forward.get()
+    if record is None:
+        return True
+    if record.key is not None:
+        return record.native  # one kernel for every product of the forward
+    key = (int(w.shape[0]), int(w.shape[1]), _bucket(m), torch.get_num_threads())
+    with _trials_lock:
+        trials = _trials.get(key)
+        fast = None if trials is None else trials.fast
+        record.key = key
+        if fast is not None:
+            record.native = fast
+        else:  # a trial: the kernel timed fewer times so far
+            record.trial = True
+            record.native = trials is None or len(trials.native) <= len(trials.int_mm)
+        return record.native
 
 
 def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ wᵀ`` in int32 (``a`` ``[m, k]``, ``w`` ``[n, k]``, int8, values in
-    [-127, 127]) on the kernel measured fastest for ``w``'s shape and ``m``'s bucket."""
+    [-127, 127]) on the kernel measured fastest for forwards of ``m``'s bucket."""
     m = a.shape[0]
     if not a.is_contiguous() or not w.is_contiguous() or a.device.type != "cpu" \
             or native.library() is None:
@@ -111,22 +205,16 @@ def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not int_mm_exact():  # the native kernel for every row count
         out = native_mm(a, w)
         return out if out is not None else _exact_mm(a, w)
-    if m > MAX_NATIVE_ROWS:
+    if m > MAX_NATIVE_ROWS or not _takes_native(m, w):
         return torch._int_mm(a, w.t())
-    key = (int(w.shape[0]), int(w.shape[1]), _bucket(m))
-    fast = _choice.get(key)
-    if fast is None:
-        with _choice_lock:
-            fast = _choice.get(key)
-            if fast is None:  # time both on these operands (the same bits either way)
-                ours = _median_s(lambda: native_mm(a, w))
-                theirs = _median_s(lambda: torch._int_mm(a, w.t()))
-                fast = _choice[key] = ours <= theirs
-    out = native_mm(a, w) if fast else None
+    out = native_mm(a, w)
     return out if out is not None else torch._int_mm(a, w.t())
 
 
 def choices() -> dict[str, str]:
-    """The kernel measured fastest per ``"out x in, rows <= bucket"`` so far (stats)."""
-    return {f"{o}x{i},rows<={b}": "native" if fast else "_int_mm"
-            for (o, i, b), fast in sorted(_choice.items())}
+    """The kernel kept per ``"first weight out x in, rows <= bucket, threads"`` so far
+    (``"timing"`` while its trials run), for stats."""
+    with _trials_lock:
+        return {f"{o}x{i},rows<={b},threads={t}": ("timing" if tr.fast is None else
+                                                  "native" if tr.fast else "_int_mm")
+                for (o, i, b, t), tr in sorted(_trials.items())}

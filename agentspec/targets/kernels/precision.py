@@ -12,7 +12,7 @@ import torch
 from agentspec.targets.base.cpu import bf16_native
 from agentspec.targets.kernels import w8a8
 
-__all__ = ["DTYPES", "QUANTIZED", "activation_dtype", "auto_dtype"]
+__all__ = ["DTYPES", "QUANTIZED", "activation_dtype", "auto_dtype", "rest_dtype"]
 
 #: The precisions a target loads in (see :attr:`~agentspec.targets.target_config.
 #: TargetConfig.dtype`).
@@ -28,6 +28,13 @@ def activation_dtype() -> torch.dtype:
     bf16 where it is native (:func:`bf16_native`), else fp32 (an emulated bf16 product
     would make every prompt and attention many times slower)."""
     return torch.bfloat16 if bf16_native() else torch.float32
+
+
+def rest_dtype(digits: int) -> torch.dtype:
+    """The dtype a quantized target of ``digits`` activation digits keeps everything but its
+    int8 weights in (embedding, norms, attention, KV): ``int8``'s kernel (``digits=0``) takes
+    bf16 rows, ``w8a8`` / ``w8a16`` keep :func:`activation_dtype`."""
+    return torch.bfloat16 if digits == 0 else activation_dtype()
 
 
 def auto_dtype(cpu: bool) -> str:
