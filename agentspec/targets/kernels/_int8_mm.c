@@ -23,6 +23,7 @@
      pair sums (at most 2 * 127 * 127) cannot saturate.
    - else plain C. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -31,7 +32,7 @@
 #include "_native.h"
 
 typedef struct {
-    const int8_t *a; /* [m, k] */
+    const void *a;   /* [m, k]: int8, or uint8 offset by 128 (OFFSET_ROWS) */
     const int8_t *w; /* [n, k] */
     int32_t *out;    /* [m, n] */
     int64_t m, k, n;
@@ -64,33 +65,44 @@ static inline __m256i dot32(__m256i acc, __m256i a, __m256i w) {
 #define GROUP 4
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static void row_sums(const int8_t *a, int64_t k, int g, const int8_t *wr, int32_t *sums) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+#define OFFSET_ROWS 1 /* the activations are offset to unsigned once per call */
+/* `g` is a constant in each caller below (row_sums), so the loops unroll and the
+   accumulators stay in registers. `a` holds the activations already offset (a + 128). */
+static inline __attribute__((always_inline)) void row_sums_n(
+        const uint8_t *a, int64_t k, const int g, const int8_t *wr, int32_t *sums) {
+    const __m512i ones = _mm512_set1_epi8(1);
     __m512i acc[GROUP], ws = _mm512_setzero_si512();
-    for (int r = 0; r < GROUP; r++) acc[r] = _mm512_setzero_si512();
+    for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_si512();
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
         __m512i vw = _mm512_loadu_si512((const void *)(wr + i));
         ws = _mm512_dpbusd_epi32(ws, ones, vw);
-        for (int r = 0; r < g; r++) {
-            __m512i va = _mm512_xor_si512(_mm512_loadu_si512((const void *)(a + r * k + i)), flip);
-            acc[r] = _mm512_dpbusd_epi32(acc[r], va, vw);
-        }
+        for (int r = 0; r < g; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512((const void *)(a + r * k + i)),
+                                         vw);
     }
     if (i < k) { /* the tail: masked-off weight lanes are 0, so their products are 0 */
         __mmask64 keep = (__mmask64)((~0ULL) >> (64 - (k - i)));
         __m512i vw = _mm512_maskz_loadu_epi8(keep, wr + i);
         ws = _mm512_dpbusd_epi32(ws, ones, vw);
-        for (int r = 0; r < g; r++) {
-            __m512i va = _mm512_xor_si512(_mm512_maskz_loadu_epi8(keep, a + r * k + i), flip);
-            acc[r] = _mm512_dpbusd_epi32(acc[r], va, vw);
-        }
+        for (int r = 0; r < g; r++)
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(keep, a + r * k + i), vw);
     }
     uint32_t offset = 128u * (uint32_t)_mm512_reduce_add_epi32(ws); /* wraps, as the sums */
     for (int r = 0; r < g; r++)
         sums[r] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(acc[r]) - offset);
 }
+
+static void row_sums(const uint8_t *a, int64_t k, int g, const int8_t *wr, int32_t *sums) {
+    switch (g) {
+    case 1: row_sums_n(a, k, 1, wr, sums); break;
+    case 2: row_sums_n(a, k, 2, wr, sums); break;
+    case 3: row_sums_n(a, k, 3, wr, sums); break;
+    default: row_sums_n(a, k, 4, wr, sums); break;
+    }
+}
 #else
+#define OFFSET_ROWS 0
 static void row_sums(const int8_t *a, int64_t k, int g, const int8_t *wr, int32_t *sums) {
     int64_t tail = 0;
 #if defined(__AVX2__)
@@ -124,7 +136,7 @@ static void mm_task(void *ctx, int64_t begin, int64_t end) {
         const int8_t *wr = p->w + j * p->k;
         for (int64_t r0 = 0; r0 < p->m; r0 += GROUP) {
             int g = p->m - r0 < GROUP ? (int)(p->m - r0) : GROUP;
-            row_sums(p->a + r0 * p->k, p->k, g, wr, sums);
+            row_sums((const void *)((const int8_t *)p->a + r0 * p->k), p->k, g, wr, sums);
             for (int r = 0; r < g; r++) p->out[(r0 + r) * p->n + j] = sums[r];
         }
     }
@@ -133,8 +145,27 @@ static void mm_task(void *ctx, int64_t begin, int64_t end) {
 /* out [m, n] = a [m, k] @ w [n, k]^T in int32, over `threads` threads. */
 void agentspec_int8_mm(const int8_t *a, const int8_t *w, int32_t *out, int64_t m, int64_t k,
                        int64_t n, int threads) {
+#if OFFSET_ROWS
+    /* a + 128 as unsigned bytes (an xor of the sign bit), once per call, not per weight row */
+    uint8_t stack[20480], *flipped = m * k <= (int64_t)sizeof stack ? stack : malloc((size_t)(m * k));
+    if (flipped == NULL) { /* no memory for the copy: the exact scalar sums */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < n; j++) {
+                int32_t s = 0;
+                for (int64_t i = 0; i < k; i++) s += (int32_t)a[r * k + i] * w[j * k + i];
+                out[r * n + j] = s;
+            }
+        return;
+    }
+    for (int64_t i = 0; i < m * k; i++) flipped[i] = (uint8_t)a[i] ^ 0x80u;
+    mm_args args = {flipped, w, out, m, k, n};
+#else
     mm_args args = {a, w, out, m, k, n};
+#endif
     agentspec_parallel(mm_task, &args, (n + 3) / 4, threads);
+#if OFFSET_ROWS
+    if (flipped != stack) free(flipped);
+#endif
 }
 
 /* Which vector path this build took (reported by the Python side). */
