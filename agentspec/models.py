@@ -18,7 +18,7 @@ read that folder (~1-2 s for SmolLM2). The 1.5B's fp32 folder would take 7.1 GB,
 folder keeps only the config and the tokenizer (:attr:`ShippedModel.fp32_folder` off): an
 fp32 or bf16 load dequantises its GGUF, assembled from the chunks for that load and deleted
 after it, and the int8 precisions load a quantized snapshot written at their first load
-(:mod:`agentspec.targets.kernels.snapshot`). Every GGUF is assembled through one path
+(:mod:`agentspec.targets.snapshot`). Every GGUF is assembled through one path
 (:func:`assembled_gguf`): written to a temporary file beside its place, checked, fsynced and
 renamed, removed on any failure. Any local Hugging Face model folder works in their place.
 """
@@ -132,7 +132,7 @@ class ShippedModel:
             loads read; else the folder keeps the config and tokenizer only, an fp32 or
             bf16 load dequantises the GGUF again (assembled for the load, deleted after) and
             (~2 GB on disk instead of 7 GB). Every shipped model's int8 precisions load a
-            quantized snapshot (:mod:`agentspec.targets.kernels.snapshot`).
+            quantized snapshot (:mod:`agentspec.targets.snapshot`).
         draft_model: The shipped model HVD's model drafter uses for this one when the
             drafting policy names none (a smaller model of the same family and tokenizer);
             ``None``: the EAGLE head or distilled drafter.
@@ -550,7 +550,7 @@ def load_model_and_tokenizer(
     A shipped model without an fp32 folder (the 1.5B) is dequantised from its GGUF,
     assembled from the chunks for this load and deleted after it (a minute or more; its
     int8 precisions load a snapshot instead, see
-    :mod:`agentspec.targets.kernels.snapshot`).
+    :mod:`agentspec.targets.snapshot`).
 
     Args:
         model: See :func:`resolve_model`.

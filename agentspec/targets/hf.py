@@ -112,7 +112,7 @@ class HFTarget:
     @classmethod
     def load(cls, config: TargetConfig | None = None) -> HFTarget:
         """Load the model named by ``config`` (the embedded model by default)."""
-        from agentspec.targets.kernels import snapshot
+        from agentspec.targets import snapshot
 
         config = config or TargetConfig()
         device = config.resolved_device()

@@ -177,3 +177,24 @@ def test_only_the_family_on_the_cpu_gets_one() -> None:
     assert DirectDecoder.build(qwen, "cpu") is None
     # A target without a shape-stable policy (fp32 on the CPU) never builds one.
     assert HFTarget(llama, None, "tiny", "float32", "cpu").kv.decoder is None
+
+
+@pytest.mark.parametrize("dtype", ["int8", "w8a16"])
+def test_stacked_products_hold_the_weights_once(dtype: str) -> None:
+    if not int8.supported():
+        pytest.skip("this torch build has no int8 weight-only kernel")
+    model = _model("qwen2", dtype)
+    first, second = DirectDecoder(model), DirectDecoder(model)
+    for i, layer in enumerate(model.model.layers):
+        stacked = first.gate_up[i]
+        assert stacked is not None and second.gate_up[i] is stacked  # made once per model
+        assert first.qkv[i] is second.qkv[i] is not None
+        gate, up = layer.mlp.gate_proj, layer.mlp.up_proj
+        # The parts' weights are row slices of the stacked product's (no second copy).
+        base = stacked.qweight.untyped_storage().data_ptr()
+        assert gate.qweight.untyped_storage().data_ptr() == base
+        assert up.qweight.untyped_storage().data_ptr() == base
+        assert torch.equal(torch.cat((gate.qweight, up.qweight)), stacked.qweight)
+        assert gate.qweight.is_contiguous() and up.qweight.is_contiguous()
+    # What the model serializes is still one tensor per part.
+    assert not any(".gate_up" in name or "fused" in name for name in model.state_dict())

@@ -14,8 +14,8 @@ order and dtypes, so its logits are meant to be transformers' bits; its keys and
 go through the cache's own ``update``. Where q, k and v are int8 layers they run as one
 product (:meth:`~agentspec.targets.kernels.int8.Int8Linear.concat`,
 :meth:`~agentspec.targets.kernels.w8a8.W8A8Linear.concat`: each column is computed on its own, so
-each part keeps its bits), and queries and keys are rotated together
-(elementwise, the same bits).
+each part keeps its bits), and so do the MLP's gate and up projections; queries and keys
+are rotated together (elementwise, the same bits).
 
 That is not taken on trust: the first step a target runs with it is also run through
 transformers, and unless logits, keys and values are the same bits the decoder is dropped
@@ -62,6 +62,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (rotated * sin)
 
 
+def fused(owner: torch.nn.Module, names: tuple[str, ...]) -> Int8Linear | W8A8Linear | None:
+    """One layer computing ``owner``'s int8 layers ``names`` side by side (``None`` unless
+    they are all of one int8 kind), made once per ``owner``.
+
+    Each output column of the stacked product is its own exact sum, so each part keeps its
+    bits. The parts' buffers then become row slices of the stacked ones (contiguous views),
+    so the weights are held once: transformers' forward, which calls the parts, reads the
+    same bytes. Kept on ``owner`` outside its submodules (``state_dict`` and ``modules()``
+    see only the parts), and a second decoder built on the model reuses it.
+    """
+    key = "_agentspec_fused_" + "_".join(names)
+    made = owner.__dict__.get(key)
+    if made is not None:
+        return made
+    parts = [getattr(owner, n) for n in names]
+    kind = type(parts[0])
+    if kind not in (Int8Linear, W8A8Linear) or any(type(p) is not kind for p in parts):
+        return None
+    layer = kind.concat(parts)
+    start = 0
+    for part in parts:  # [out_i, in] views of the stacked [Σ out_i, in]
+        end = start + part.out_features
+        part.qweight = layer.qweight[start:end]
+        part.scales = layer.scales[start:end]
+        if layer.bias is not None:
+            part.bias = layer.bias[start:end]
+        start = end
+    object.__setattr__(owner, key, layer)  # not a submodule
+    return layer
+
+
 class DirectDecoder:
     """The shape-stable decode forward of a Llama-family model, without the wrappers.
 
@@ -86,15 +117,12 @@ class DirectDecoder:
         self.norm = body.norm
         self.head = model.lm_head
         self.layers = list(body.layers)
-        # int8 q/k/v projections (any of the int8 precisions) as one product per layer:
-        # one kernel call instead of three, the same bits per column (a copy of those
-        # weights: ~1 % of the model's).
-        self.qkv: list[Int8Linear | W8A8Linear | None] = []
-        for layer in self.layers:
-            parts = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
-            kind = type(parts[0])
-            same = kind in (Int8Linear, W8A8Linear) and all(type(p) is kind for p in parts)
-            self.qkv.append(kind.concat(parts) if same else None)
+        # int8 q/k/v projections (any of the int8 precisions) as one product per layer, and
+        # gate and up as another: one kernel call instead of three and of two, the same
+        # bits per column.
+        self.qkv = [fused(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                    for layer in self.layers]
+        self.gate_up = [fused(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
         self.checked = False
         self.failed: str | None = None
         self.steps = 0
@@ -170,7 +198,12 @@ class DirectDecoder:
             x = x + attn.o_proj(o.reshape(1, rows, -1))  # o: [1, rows, heads, d]
             mlp = layer.mlp
             h = _rms_norm(layer.post_attention_layernorm, x)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            gate_up = self.gate_up[i]
+            if gate_up is not None:  # [1, rows, 2 · inner]
+                gate, up = gate_up(h).chunk(2, dim=-1)
+            else:
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         # The module call, not _rms_norm: hooks on the final norm (the target keeps its
         # output as the drafters' features) must run.
         return self.head(self.norm(x))[0]  # [rows, V]

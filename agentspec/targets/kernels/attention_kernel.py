@@ -21,7 +21,6 @@ from __future__ import annotations
 from array import array
 
 import torch
-from torch.autograd import profiler
 
 from agentspec.targets.kernels import native
 
@@ -97,11 +96,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
                        *mask_strides))
     args = (call.buffer_info()[0], scale, torch.get_num_threads())
-    if profiler._is_profiler_enabled:
-        with native.recorded("agentspec::attention"):
-            rc = lib.agentspec_attention(*args)
-    else:  # no context manager on the hot path (a few microseconds a layer)
-        rc = lib.agentspec_attention(*args)
+    rc = native.call("agentspec::attention", lib.agentspec_attention, *args)
     if rc == 1:
         raise MemoryError("decode attention: no memory for the kernel's scratch")
     return out if rc == 0 else None

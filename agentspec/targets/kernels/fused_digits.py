@@ -50,9 +50,9 @@ def quantize(rows: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tenso
     u = torch.empty(m, 1)
     bf16 = rows.dtype == torch.bfloat16
     scratch = torch.empty(k) if bf16 else None  # one row widened to fp32
-    with native.recorded("agentspec::quantize_digits"):
-        lib.agentspec_quantize(rows.data_ptr(), int(bf16), m, k, digits, q.data_ptr(),
-                               u.data_ptr(), None if scratch is None else scratch.data_ptr())
+    native.call("agentspec::quantize_digits", lib.agentspec_quantize, rows.data_ptr(),
+                int(bf16), m, k, digits, q.data_ptr(), u.data_ptr(),
+                None if scratch is None else scratch.data_ptr())
     return q, u
 
 
@@ -73,8 +73,8 @@ def combine(acc: torch.Tensor, scales: torch.Tensor, u: torch.Tensor,
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(m, n, dtype=dtype)
-    with native.recorded("agentspec::combine_digits"):
-        lib.agentspec_combine(acc.data_ptr(), m, n, acc.shape[0] // m, scales.data_ptr(),
-                              u.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), int(dtype == torch.bfloat16))
+    native.call("agentspec::combine_digits", lib.agentspec_combine, acc.data_ptr(), m, n,
+                acc.shape[0] // m, scales.data_ptr(), u.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(),
+                int(dtype == torch.bfloat16))
     return out

@@ -98,9 +98,8 @@ def native_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=torch.int32)  # [m, n]
-    with native.recorded("agentspec::int8_mm"):
-        lib.agentspec_int8_mm(a.data_ptr(), w.data_ptr(), out.data_ptr(), m, k, n,
-                              torch.get_num_threads())
+    native.call("agentspec::int8_mm", lib.agentspec_int8_mm, a.data_ptr(), w.data_ptr(),
+                out.data_ptr(), m, k, n, torch.get_num_threads())
     return out
 
 

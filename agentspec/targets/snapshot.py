@@ -69,8 +69,8 @@ log = logging.getLogger(__name__)
 FORMAT = "agentspec-int8-snapshot-v1"
 
 #: The code a snapshot's key digests: every source file of the kernels package (where the
-#: quantizers and the quantized layers live, this module included).
-KERNELS = ("agentspec.targets.kernels",)
+#: quantizers and the quantized layers live) and this module.
+KERNELS = ("agentspec.targets.kernels", __name__)
 
 
 def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
