@@ -14,8 +14,8 @@ import torch
 
 from agentspec.errors import ModelLoadError
 from agentspec.models import SHIPPED_MODELS, ModelFiles, ShippedModel
-from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets import snapshot
+from agentspec.targets.hf import HFTarget, TargetConfig
 from agentspec.targets.kernels import int8, w8a8
 from agentspec.targets.kernels.precision import rest_dtype
 from tests.conftest import tiny_llama
