@@ -90,7 +90,27 @@ static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v
         vf v_ = (v); \
         memcpy((p), &v_, sizeof v_); \
     } while (0)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* On AVX2 a 16-lane vector is two registers, and GCC lowers some operations on it lane by
+   lane through memory: a scalar broadcast became 16 scalar stores and a vector load (a
+   store-forwarding stall each), and the shuffles below scalar inserts and extracts, so
+   attention ran 13x slower than on AVX-512. Those few operations are written with 8-lane
+   intrinsics there: the same values (a broadcast, data movement), so the same bits. */
+#define AVX2_ONLY 1
+#include <immintrin.h>
+typedef struct { __m256 lo, hi; } vf2; /* lanes 0-7, 8-15 */
+static inline vf2 split(vf v) { vf2 r; memcpy(&r, &v, sizeof r); return r; }
+static inline vf join(__m256 lo, __m256 hi) {
+    vf2 r = {lo, hi};
+    vf v;
+    memcpy(&v, &r, sizeof v);
+    return v;
+}
+static inline vf vsplat(float x) { __m256 b = _mm256_set1_ps(x); return join(b, b); }
+#else
+#define AVX2_ONLY 0
 static inline vf vsplat(float x) { return (vf){0} + x; }
+#endif
 #define VSELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m))))
 
 /* 16 bf16 values widened to fp32 (exact). */
@@ -106,7 +126,7 @@ static inline vf widen(const uint16_t *p) {
    above 88.37 infinity; exp(0) is exactly 1; NaN stays NaN. */
 static inline vf vexp(const float *at, float shift) { /* e^(at[0..16) - shift) */
     const vf lo = vsplat(-87.33654475f), hi = vsplat(88.3762626647949f);
-    vf x = vload(at) - shift;
+    vf x = vload(at) - vsplat(shift);
     vf c = VSELECT(x < lo, lo, VSELECT(x > hi, hi, x)); /* NaN passes through */
     vf t = c * 1.44269504088896341f + 12582912.0f;      /* 1.5 * 2^23: rounds to an integer */
     vf n = t - 12582912.0f;
@@ -140,7 +160,45 @@ static const int REV[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7,
          IDX(5, w, h), IDX(6, w, h), IDX(7, w, h), IDX(8, w, h), IDX(9, w, h),            \
          IDX(10, w, h), IDX(11, w, h), IDX(12, w, h), IDX(13, w, h), IDX(14, w, h),       \
          IDX(15, w, h))
+#if AVX2_ONLY
+/* The folds by 8-lane intrinsics: the same additions of the same pairs (IEEE addition
+   commutes), so the same bits. */
+/* w = 8: [a lanes 0-7 + 8-15, b lanes 0-7 + 8-15]. */
+static inline vf fold8(vf a, vf b) {
+    vf2 x = split(a), y = split(b);
+    return join(_mm256_add_ps(x.lo, x.hi), _mm256_add_ps(y.lo, y.hi));
+}
+/* w = 4, per register: [a quads 0 + 1, b quads 0 + 1]. */
+static inline __m256 fold4_half(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+static inline vf fold4(vf a, vf b) {
+    vf2 x = split(a), y = split(b);
+    return join(fold4_half(x.lo, y.lo), fold4_half(x.hi, y.hi));
+}
+/* w = 2, per 128-bit quad q: [a pairs (q, 0) + (q, 1), b pairs (q, 0) + (q, 1)]. */
+static inline __m256 fold2_half(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline vf fold2(vf a, vf b) {
+    vf2 x = split(a), y = split(b);
+    return join(fold2_half(x.lo, y.lo), fold2_half(x.hi, y.hi));
+}
+/* w = 1, per quad: [a0 + a1, b0 + b1, a2 + a3, b2 + b3]. */
+static inline __m256 fold1_half(__m256 a, __m256 b) {
+    __m256 s = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),  /* a0 a2 b0 b2 */
+                             _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))); /* a1 a3 b1 b3 */
+    return _mm256_permute_ps(s, _MM_SHUFFLE(3, 1, 2, 0));
+}
+static inline vf fold1(vf a, vf b) {
+    vf2 x = split(a), y = split(b);
+    return join(fold1_half(x.lo, y.lo), fold1_half(x.hi, y.hi));
+}
+#define FOLD(a, b, w) fold##w(a, b)
+#else
 #define FOLD(a, b, w) (HALF(a, b, w, 0) + HALF(a, b, w, 1))
+#endif
 
 static inline vf sums16(const vf *a) {
     vf u[8], x[4], y0, y1;
@@ -236,7 +294,7 @@ static void dot_block(const float *q, const float *kbuf, int64_t dp, int R, floa
    torch's masked_fill); keys past nk get -inf (weight exactly 0). */
 static void finish_scores(const attn_args *p, const float *raw, int64_t moff, int64_t j0,
                           int64_t nk, float *out) {
-    vf sc = vload(raw) * p->scale;
+    vf sc = vload(raw) * vsplat(p->scale);
     if (p->mask_kind == MASK_BOOL) {
         vb mb = {0};
         memcpy(&mb, (const uint8_t *)p->mask + moff + j0, (size_t)nk);
@@ -297,6 +355,28 @@ static float softmax_row(float *s, int64_t np) {
 
 /* acc[r][c, c + 16 * NV) += e[r][j] * v_j[c, ...] for j in [0, nb), in key order, for R
    rows (R, NV constants once inlined: the accumulators stay in registers). */
+#if AVX2_ONLY
+/* The same loop on 8-lane registers (GCC kept the 16-lane accumulators on the stack):
+   each element still adds e * v in key order, a product then a sum. */
+static inline __attribute__((always_inline)) void value_tile(
+    float *acc, const float *e, int64_t np, const float *vbuf, int64_t nb, int64_t dp,
+    int64_t c, const int R, const int NV) {
+    __m256 a[VROWS][2 * VVECS];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2 * NV; i++) a[r][i] = _mm256_loadu_ps(acc + r * dp + c + i * 8);
+    for (int64_t j = 0; j < nb; j++) {
+        __m256 x[2 * VVECS];
+        for (int i = 0; i < 2 * NV; i++) x[i] = _mm256_loadu_ps(vbuf + j * dp + c + i * 8);
+        for (int r = 0; r < R; r++) {
+            __m256 w = _mm256_set1_ps(e[r * np + j]);
+            for (int i = 0; i < 2 * NV; i++)
+                a[r][i] = _mm256_add_ps(a[r][i], _mm256_mul_ps(w, x[i]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2 * NV; i++) _mm256_storeu_ps(acc + r * dp + c + i * 8, a[r][i]);
+}
+#else
 static inline __attribute__((always_inline)) void value_tile(
     float *acc, const float *e, int64_t np, const float *vbuf, int64_t nb, int64_t dp,
     int64_t c, const int R, const int NV) {
@@ -314,6 +394,7 @@ static inline __attribute__((always_inline)) void value_tile(
     for (int r = 0; r < R; r++)
         for (int i = 0; i < NV; i++) VSTORE(acc + r * dp + c + i * LANES, a[r][i]);
 }
+#endif
 
 static void value_rows(float *acc, const float *e, int64_t np, const float *vbuf,
                        int64_t nb, int64_t dp, const int R) {
