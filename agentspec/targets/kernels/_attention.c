@@ -99,7 +99,8 @@ static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v
 #define AVX2_ONLY 1
 #include <immintrin.h>
 typedef struct { __m256 lo, hi; } vf2; /* lanes 0-7, 8-15 */
-static inline vf2 split(vf v) { vf2 r; memcpy(&r, &v, sizeof r); return r; }
+/* A vector's two registers (a macro: vectors are never passed as arguments). */
+#define split(v) __extension__({ vf v_ = (v); vf2 r_; memcpy(&r_, &v_, sizeof r_); r_; })
 static inline vf join(__m256 lo, __m256 hi) {
     vf2 r = {lo, hi};
     vf v;
@@ -164,16 +165,14 @@ static const int REV[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7,
 /* The folds by 8-lane intrinsics: the same additions of the same pairs (IEEE addition
    commutes), so the same bits. */
 /* w = 8: [a lanes 0-7 + 8-15, b lanes 0-7 + 8-15]. */
-static inline vf fold8(vf a, vf b) {
-    vf2 x = split(a), y = split(b);
+static inline vf fold8(vf2 x, vf2 y) {
     return join(_mm256_add_ps(x.lo, x.hi), _mm256_add_ps(y.lo, y.hi));
 }
 /* w = 4, per register: [a quads 0 + 1, b quads 0 + 1]. */
 static inline __m256 fold4_half(__m256 a, __m256 b) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
-static inline vf fold4(vf a, vf b) {
-    vf2 x = split(a), y = split(b);
+static inline vf fold4(vf2 x, vf2 y) {
     return join(fold4_half(x.lo, y.lo), fold4_half(x.hi, y.hi));
 }
 /* w = 2, per 128-bit quad q: [a pairs (q, 0) + (q, 1), b pairs (q, 0) + (q, 1)]. */
@@ -181,8 +180,7 @@ static inline __m256 fold2_half(__m256 a, __m256 b) {
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
 }
-static inline vf fold2(vf a, vf b) {
-    vf2 x = split(a), y = split(b);
+static inline vf fold2(vf2 x, vf2 y) {
     return join(fold2_half(x.lo, y.lo), fold2_half(x.hi, y.hi));
 }
 /* w = 1, per quad: [a0 + a1, b0 + b1, a2 + a3, b2 + b3]. */
@@ -191,11 +189,10 @@ static inline __m256 fold1_half(__m256 a, __m256 b) {
                              _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))); /* a1 a3 b1 b3 */
     return _mm256_permute_ps(s, _MM_SHUFFLE(3, 1, 2, 0));
 }
-static inline vf fold1(vf a, vf b) {
-    vf2 x = split(a), y = split(b);
+static inline vf fold1(vf2 x, vf2 y) {
     return join(fold1_half(x.lo, y.lo), fold1_half(x.hi, y.hi));
 }
-#define FOLD(a, b, w) fold##w(a, b)
+#define FOLD(a, b, w) fold##w(split(a), split(b))
 #else
 #define FOLD(a, b, w) (HALF(a, b, w, 0) + HALF(a, b, w, 1))
 #endif
