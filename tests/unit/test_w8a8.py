@@ -191,13 +191,13 @@ def test_quantize_keeps_scales_fp32_through_a_cast() -> None:
     assert model.model.norm.weight.dtype == torch.bfloat16  # the rest is cast
 
 
-def test_w8a16_prefill_chunks_switch_to_bf16_at_their_row_count() -> None:
+def test_w8a16_prefill_chunks_switch_to_a_float_gemm_at_their_row_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompt chunks under W8A16_PREFILL_ROWS rows take the integer product (their bits
-    the same with any thread count), longer ones the dequantized weights in bf16 where bf16
-    is native (else the integer product too: emulated bf16 is many times slower), decode
-    forwards of any length the integer product; prefill_switch names that row count for a
-    model with w8a16 layers only."""
-    from agentspec.targets.base.cpu import bf16_native
+    the same with any thread count), longer ones a float GEMM over the dequantized weights:
+    bf16's where bf16 is native, fp32's where it is emulated (many times slower than
+    either); decode forwards of any length the integer product; prefill_switch names that
+    row count for a model with w8a16 layers only."""
     from tests.unit.test_int8 import decode_forward
 
     torch.manual_seed(4)
@@ -206,13 +206,16 @@ def test_w8a16_prefill_chunks_switch_to_bf16_at_their_row_count() -> None:
     x = torch.randn(n, 32).bfloat16()
     integer = layer._finish(*quantize_rows(x, 2), x.dtype, layer.bias)  # [n, 24]
     bf16 = torch.nn.functional.linear(x, layer.weight, layer.bias.bfloat16())
-    assert not torch.equal(integer, bf16)  # else this test could not tell them apart
-    assert torch.equal(layer(x[: n - 1]), integer[: n - 1])  # a short chunk
-    # A long one: bf16's GEMM where bf16 is native, else the integer product throughout.
-    native_bf16 = bf16_native()
-    assert torch.equal(layer(x), bf16 if native_bf16 else integer)
-    assert torch.equal(decode_forward(layer, x), integer)  # a decode forward of as many rows
-    assert w8a8.prefill_switch(_w8a8_model(digits=2)) == (n if native_bf16 else None)
+    fp32 = torch.nn.functional.linear(x.float(), layer.qweight.float() * layer.scales[:, None],
+                                      layer.bias).to(x.dtype)
+    assert not torch.equal(integer, bf16) and not torch.equal(integer, fp32)  # else this
+    assert not torch.equal(bf16, fp32)  # test could not tell them apart
+    for native, long in ((True, bf16), (False, fp32)):
+        monkeypatch.setattr(w8a8, "bf16_native", lambda native=native: native)
+        assert torch.equal(layer(x[: n - 1]), integer[: n - 1])  # a short chunk
+        assert torch.equal(layer(x), long)  # a long one
+        assert torch.equal(decode_forward(layer, x), integer)  # a decode forward that long
+    assert w8a8.prefill_switch(_w8a8_model(digits=2)) == n
     assert w8a8.prefill_switch(_w8a8_model(digits=1)) is None
     int8_only = tiny_llama(layers=1)
     quantize_linears(int8_only)

@@ -30,13 +30,13 @@ number of its row, split into a high and a low int8 digit (:func:`quantize_rows`
 rows cost, and the two exact sums are recombined element-wise (``254 · high + low``). The
 activations' error shrinks 254-fold, below the weights' own rounding, and a row's bits
 still depend on that row alone. Prefill chunks of :data:`W8A16_PREFILL_ROWS` rows or
-more multiply the dequantized weights in bf16 instead, as int8's do: two digits double
-the product's rows. Shorter chunks (most tails after reused KV) keep the integer product,
-whose bits do not depend on the thread count, so a busy machine may feed them with one
-thread. ``auto`` picks it on an AVX-512 CPU where :mod:`.fused_digits`
-builds its C kernel (the digits and the recombination in one call each, the same bits as
-the torch operators here, which run where no compiler is found): there its one-row step
-costs about int8's and its verifies far less.
+more multiply the dequantized weights in bf16 instead, as int8's do (in fp32 where bf16 is
+emulated): two digits double the product's rows. Shorter chunks (most tails after reused
+KV) keep the integer product, whose bits do not depend on the thread count, so a busy
+machine may feed them with one thread. ``auto`` picks it on every CPU with the int8
+product (:mod:`.precision`); its digits and their recombination are one C call each
+(:mod:`.fused_digits`, the same bits as the torch operators here, which run where the
+native library is not loaded).
 """
 
 from __future__ import annotations
@@ -270,16 +270,20 @@ class W8A8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]``: ``[..., out]`` in ``x``'s dtype."""
         if (self.shared.digits == 2 and x.numel() >= W8A16_PREFILL_ROWS * self.in_features
-                and not STABLE_STEP.get() and bf16_native()):
-            # A long prefill chunk under w8a16: bf16's GEMM over the dequantized weights,
+                and not STABLE_STEP.get()):
+            # A long prefill chunk under w8a16: a float GEMM over the dequantized weights,
             # as int8 does. Two digits make the integer product one of twice the rows,
             # plus a single-threaded C pass over the chunk's rows and one over its outputs
             # (without the kernel, ~10 torch operators: 4.5x slower over a 1,750-token
-            # prompt). Never inside a decode forward, whose rows must take one kernel, nor
-            # where bf16 is emulated (many times slower than the integer product there).
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight,
-                                           None if self.bias is None
-                                           else self.bias.to(torch.bfloat16))
+            # prompt). Never inside a decode forward, whose rows must take one kernel.
+            if bf16_native():
+                y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight,
+                                               None if self.bias is None
+                                               else self.bias.to(torch.bfloat16))
+            else:  # bf16 emulated (many times slower): fp32's GEMM, ~1.8x the integer
+                # product over 512 rows on AVX2 (docs/cpu_step.md)
+                w = self.qweight.float() * self.scales[:, None]  # [out, in]
+                y = torch.nn.functional.linear(x.float(), w, self.bias)
             return y.to(x.dtype)
         q, a = self.shared.quantize(x, self.in_features)
         y = self._finish(q, a, x.dtype, self.bias)  # [rows, out]
@@ -325,10 +329,10 @@ def supported() -> bool:
 
 def prefill_switch(model: torch.nn.Module) -> int | None:
     """The row count from which ``model``'s prompt forwards leave the integer product for
-    bf16's GEMM, where that is above the prompt probe's own lengths: :data:`W8A16_PREFILL_ROWS`
-    for a model with w8a16 layers, else ``None`` (int8 switches at :data:`PREFILL_ROWS`,
-    inside what the probe feeds; w8a8 and unquantized models never switch)."""
-    if bf16_native() and any(isinstance(m, W8A8Linear) and m.shared.digits == 2
-                             for m in model.modules()):
+    a float GEMM (bf16's, fp32's where bf16 is emulated), where that is above the prompt
+    probe's own lengths: :data:`W8A16_PREFILL_ROWS` for a model with w8a16 layers, else
+    ``None`` (int8 switches at :data:`PREFILL_ROWS`, inside what the probe feeds; w8a8 and
+    unquantized models never switch)."""
+    if any(isinstance(m, W8A8Linear) and m.shared.digits == 2 for m in model.modules()):
         return W8A16_PREFILL_ROWS
     return None
