@@ -11,6 +11,7 @@ with the reference's answer returned.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Any
@@ -56,7 +57,13 @@ def _model(arch: str, dtype: str) -> torch.nn.Module:
 
 
 def _target(model: torch.nn.Module, dtype: str) -> HFTarget:
-    return HFTarget(model, None, "tiny", dtype, "cpu", None, POLICY)
+    target = HFTarget(model, None, "tiny", dtype, "cpu", None, POLICY)
+    # bf16 and int8 products' bits depend on the thread count, which each target's live
+    # cost would pick from its own timings: two targets compared bit for bit keep the
+    # process's count.
+    target.live_cost.config = dataclasses.replace(target.live_cost.config,
+                                                  adapt_threads=False)
+    return target
 
 
 def _steps(target: HFTarget, seed: int = 0) -> tuple[list[torch.Tensor], list[Any]]:
