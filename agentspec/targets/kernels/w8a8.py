@@ -91,14 +91,16 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def dequantized(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantized(qweight: torch.Tensor, scales: torch.Tensor,
+                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """int8 weights ``qweight`` ``[out, in]`` times their per-row ``scales`` ``[out]``, in
-    bf16 (the weights a prefill chunk of ``int8`` or ``w8a16`` multiplies).
+    ``dtype`` (the weights a prefill chunk of ``int8`` or ``w8a16`` multiplies: bf16, or
+    fp32 where bf16 is emulated).
 
-    Multiplied in bf16: ``q`` is exact in bf16 and the exact product of ``q`` and the bf16
-    scale has at most 16 significant bits, so the one rounding to bf16 gives the bits an
-    fp32 product would, without an fp32 copy of the matrix."""
-    return qweight.to(torch.bfloat16) * scales.to(torch.bfloat16)[:, None]
+    Multiplied in ``dtype``: ``q`` is exact in bf16 and the exact product of ``q`` and the
+    bf16 scale has at most 16 significant bits, so the one rounding to bf16 gives the bits
+    an fp32 product would, without an fp32 copy of the matrix."""
+    return qweight.to(dtype) * scales.to(dtype)[:, None]
 
 
 def quantize_rows(rows: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +284,7 @@ class W8A8Linear(torch.nn.Module):
                                                else self.bias.to(torch.bfloat16))
             else:  # bf16 emulated (many times slower): fp32's GEMM, ~1.8x the integer
                 # product over 512 rows on AVX2 (docs/cpu_step.md)
-                w = self.qweight.float() * self.scales[:, None]  # [out, in]
+                w = dequantized(self.qweight, self.scales, torch.float32)  # [out, in]
                 y = torch.nn.functional.linear(x.float(), w, self.bias)
             return y.to(x.dtype)
         q, a = self.shared.quantize(x, self.in_features)
