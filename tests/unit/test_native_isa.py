@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
+from agentspec.targets.base.cpu import cpuinfo
 from agentspec.targets.kernels import native
 
 #: Outputs of every kernel on fixed seeds, written by a child to ``argv[1]``.
@@ -70,15 +72,15 @@ torch.save(out, sys.argv[1])
 BUILDS = (("avx2", "x86-64-v3", ("avx2", "fma", "bmi2", "f16c")), ("x86-64", "x86-64", ()))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def _install_build() -> tuple[list[str], list[str]]:
+    """The native extension's sources and compile flags as ``pyproject.toml`` gives them to
+    the install (the builds here differ from it only in ``-march``)."""
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    ext = next(e for e in config["tool"]["setuptools"]["ext-modules"]
+               if e["name"] == native.EXTENSION)
+    flags = [f for f in ext["extra-compile-args"] if not f.startswith("-march=")]
+    return [str(root / src) for src in ext["sources"]], flags
 
 
 def _compiler() -> str | None:
@@ -111,18 +113,18 @@ def _same(a: object, b: object) -> bool:
 def test_every_vector_path_gives_the_installed_builds_bits(tmp_path: Path) -> None:
     cc = _compiler()
     assert cc is not None, "no C compiler: the install itself needs one"
-    sources = [str(p) for p in native.SOURCES if p.suffix == ".c"]
+    sources, build_flags = _install_build()
     include = sysconfig.get_paths()["include"]
-    flags = _cpu_flags()
+    flags = set(cpuinfo("flags").split())
     reference = _probe(tmp_path, "installed", None)
     tried = []
     for name, march, needs in BUILDS:
         if not set(needs) <= flags:
             continue  # this CPU cannot run that build
         lib = tmp_path / f"native_{name}.so"
-        subprocess.run([cc, "-shared", "-fPIC", "-O3", f"-march={march}", "-ffp-contract=off",
-                        "-fno-math-errno", "-pthread", f"-I{include}", *sources, "-o",
-                        str(lib)], check=True, capture_output=True, timeout=600)
+        subprocess.run([cc, "-shared", "-fPIC", f"-march={march}", *build_flags,
+                        f"-I{include}", *sources, "-o", str(lib)],
+                       check=True, capture_output=True, timeout=600)
         got = _probe(tmp_path, name, lib)
         assert got["path"] == ("avx2" if name == "avx2" else "c")
         differ = [key for key in reference if key != "path"
