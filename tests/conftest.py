@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -17,6 +18,15 @@ os.environ.setdefault(
 )
 
 TINY_VOCAB = 96
+
+
+def keep_process_threads(target: Any) -> Any:
+    """``target`` with its live cost kept at the process's thread count. Float products'
+    bits depend on the thread count, and a target's live cost picks a forward's count from
+    its own timings (one thread when it measures one as cheaper): two targets compared bit
+    for bit could run one forward with different counts on a busy machine."""
+    target.live_cost.config = dataclasses.replace(target.live_cost.config, adapt_threads=False)
+    return target
 
 
 def run_interleaved(gens: Sequence[Generator[Any, None, Any]]) -> list[Any]:

@@ -11,7 +11,6 @@ with the reference's answer returned.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from typing import Any
@@ -26,7 +25,7 @@ from agentspec.targets.forward.shapes import StablePolicy
 from agentspec.targets.hf import HFTarget
 from agentspec.targets.kernels import int8
 from agentspec.targets.kernels.precision import QUANTIZED
-from tests.conftest import TINY_VOCAB, tiny_llama
+from tests.conftest import TINY_VOCAB, keep_process_threads, tiny_llama
 
 POLICY = StablePolicy(min_rows=1, align=512)
 
@@ -57,13 +56,8 @@ def _model(arch: str, dtype: str) -> torch.nn.Module:
 
 
 def _target(model: torch.nn.Module, dtype: str) -> HFTarget:
-    target = HFTarget(model, None, "tiny", dtype, "cpu", None, POLICY)
-    # bf16 and int8 products' bits depend on the thread count, which each target's live
-    # cost would pick from its own timings: two targets compared bit for bit keep the
-    # process's count.
-    target.live_cost.config = dataclasses.replace(target.live_cost.config,
-                                                  adapt_threads=False)
-    return target
+    # Two targets are compared bit for bit: both keep the process's thread count.
+    return keep_process_threads(HFTarget(model, None, "tiny", dtype, "cpu", None, POLICY))
 
 
 def _steps(target: HFTarget, seed: int = 0) -> tuple[list[torch.Tensor], list[Any]]:

@@ -5,7 +5,6 @@ its cache."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 from typing import Any
 
@@ -16,7 +15,7 @@ from agentspec.targets.cache.kv_cache import GrowingLayer, StepPlan, new_cache, 
 from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.forward import attention
 from agentspec.targets.hf import HFTarget
-from tests.conftest import TINY_VOCAB
+from tests.conftest import TINY_VOCAB, keep_process_threads
 
 
 def _stock_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -62,14 +61,8 @@ def pair(tiny_model: torch.nn.Module) -> tuple[HFTarget, HFTarget]:
                     PrefixCache(1 << 24))
     stock = _StockTarget(copy.deepcopy(tiny_model), None, "tiny", "float32", "cpu",
                          PrefixCache(1 << 24))
-    # fp32 products' bits depend on the thread count, and each target's live cost picks a
-    # forward's count from its own timings (one thread when it measures one as cheaper):
-    # on a busy machine the two targets then ran one forward with different counts. This
-    # test is about the cache and the attention; both keep the process's thread count.
-    for target in (fast, stock):
-        target.live_cost.config = dataclasses.replace(target.live_cost.config,
-                                                      adapt_threads=False)
-    return fast, stock
+    # This test is about the cache and the attention, not the thread choice.
+    return keep_process_threads(fast), keep_process_threads(stock)
 
 
 def test_install_switches_gqa_models_only(tiny_model: torch.nn.Module) -> None:
