@@ -145,6 +145,7 @@ def draft_target_drafter(spec: AgentSpec, target: Target) -> Drafter | None:
         ConfigError: the draft model's tokenizer is not the target's.
     """
     from agentspec.targets.hf import HFTarget, TargetConfig
+    from agentspec.targets.kernels import int8_mm
 
     name = draft_model_name(spec, target)
     if name is None or not isinstance(target, HFTarget):
@@ -162,6 +163,10 @@ def draft_target_drafter(spec: AgentSpec, target: Target) -> Drafter | None:
     drafter = TargetDrafter(draft, ModelDrafterConfig(max_tokens=spec.drafting.model_max),
                             vocab_size=target.vocab_size)
     drafter.warm()
+    # Its one-row steps and two-row syncs past their int8 kernel trials, which would
+    # otherwise price its first drafts (HVD prices the model by measured drafting time).
+    int8_mm.settle(draft, (1, 2))
+    drafter.reset()  # the next draft starts with a prefill
     return drafter
 
 

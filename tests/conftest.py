@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# isort: split
+# Before torch: `import agentspec` lets torch's idle OpenMP workers sleep (it reads
+# OMP_WAIT_POLICY once, when it loads), as in the product; see agentspec/__init__.py.
+import agentspec  # noqa: F401
+
+# isort: split
 import torch
 
 # Converted model files and cost curves go to the repo's git-ignored cache unless set.

@@ -20,7 +20,7 @@ import torch
 
 from agentspec.models import load_model_and_tokenizer
 from agentspec.stopping import check_cancel
-from agentspec.targets.base.cpu import release_freed_memory
+from agentspec.targets.base.cpu import release_freed_memory, warn_spinning_openmp
 from agentspec.targets.cache.prefix_cache import PrefixCache
 from agentspec.targets.cost import costs
 from agentspec.targets.cost.cost_curves import CostCurves, FormsProbe
@@ -143,6 +143,7 @@ class HFTarget:
         target = cls(model, tok, files.name, config.dtype, device, store,
                      stable_policy(config, device, model, probes))
         if device == "cpu":  # a busy machine's prefill may then take one thread
+            warn_spinning_openmp()
             switch = w8a8.prefill_switch(model)
             target.meter.prefill_rows = probes.value(
                 "prompt_thread_rows", lambda: prompt_thread_rows(target.kv, switch),

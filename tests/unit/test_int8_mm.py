@@ -183,3 +183,38 @@ class _Local:
 
     def put(self, ok: bool) -> None:
         assert ok
+
+
+class _TimedTarget:
+    """A target whose forwards are one timed forward of int8 products: 2 activation rows
+    per token (w8a16's digits) against ``ws``."""
+
+    def __init__(self, clock: _Counted, ws: list[torch.Tensor]) -> None:
+        self.clock, self.ws, self.forwards = clock, ws, 0
+
+    def prefill(self, tokens: list[int]) -> None:
+        pass
+
+    def score(self, tokens: list[int]) -> None:
+        self.forwards += 1
+        self.clock.forward(torch.ones(2 * len(tokens), 64, dtype=torch.int8), self.ws)
+
+    def rollback(self, n: int) -> None:
+        pass
+
+
+def test_settle_runs_each_row_count_until_its_trials_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`int8_mm.settle` runs each row count's forwards until no trial is pending
+    (2 · TRIALS for a new bucket, one for a settled one), so a warm-up leaves only the
+    kept kernel's costs; every bucket it ran is then decided."""
+    if not int8_mm.int_mm_exact():
+        pytest.skip("torch._int_mm is not exact here: no trials, settle runs nothing")
+    clock = _Counted(monkeypatch, 1.0, 2.0)
+    ws = [torch.ones(48, 64, dtype=torch.int8)]
+    target = _TimedTarget(clock, ws)
+    assert int8_mm.settle(target, (1, 2)) == 2 * (2 * int8_mm.TRIALS)  # type: ignore[arg-type]
+    assert set(int8_mm.choices().values()) == {"native"}
+    assert len(int8_mm.choices()) == 2  # rows <= 2 and rows <= 4
+    assert int8_mm.settle(target, (1, 2)) == 2  # type: ignore[arg-type]  # already kept
+    assert clock.forward(torch.ones(2, 64, dtype=torch.int8), ws) == "native"

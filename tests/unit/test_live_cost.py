@@ -21,6 +21,7 @@ from agentspec.targets.cost.live_cost import (
 )
 from agentspec.targets.hf import HFTarget
 from agentspec.types import SessionRef
+from tests.conftest import keep_process_threads, tiny_llama
 
 
 class Clock:
@@ -287,3 +288,42 @@ def test_a_stale_prior_is_corrected_for_row_counts_never_timed() -> None:
     for _ in range(10):
         live.observe(1, 500, 2, 2.0 * linear_prior(1, 500))
     assert live.estimate(1, 500, 2) > 1.5 * linear_prior(1, 500)
+
+
+@pytest.mark.parametrize(("two_threads_s", "want"), [(0.024, 2), (0.060, 1)])
+def test_under_the_safe_prior_one_timing_of_each_count_decides(two_threads_s: float,
+                                                                want: int) -> None:
+    """A target without a measured curve (a draft model) prices by the safe prior, in
+    units, not seconds: a one-row step's count is decided by the two counts' own timings,
+    not by a machine-wide ratio pulled toward the prior's scale (which priced the count
+    timed once at ~4x its evidence and kept one-row steps on the slower count)."""
+    clock = Clock()
+    live = LiveCost(safe_prior, threads=2, clock=clock)
+    for _ in range(10):  # one thread, timed many times
+        clock.now += 0.05
+        live.observe(1, 100, 1, 0.031)
+    live.observe(1, 100, 2, two_threads_s)  # two threads, timed once
+    assert live.threads_for(1, 100) == want
+
+
+def test_int8_kernel_trials_are_not_timed_as_the_machines_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live cost skips a forward that was one of the int8 kernel's trials (half run
+    the slower kernel: they say what a kernel costs, not what the load does) and times
+    every forward after them."""
+    from agentspec.targets.kernels import int8_mm
+    from agentspec.targets.kernels.int8 import quantize_linears
+
+    model = tiny_llama(layers=2, max_positions=256)
+    quantize_linears(model, activations=2)
+    target = keep_process_threads(HFTarget(model.to(torch.bfloat16), None, "tiny", "w8a16",
+                                           "cpu", None, None))
+    monkeypatch.setattr(int8_mm, "_trials", {})
+    target.prefill(list(range(2, 30)))
+    before = target.live_cost.observed
+    steps = 2 * int8_mm.TRIALS + 2
+    for i in range(steps):
+        target.score([5 + i])
+    trials = 2 * int8_mm.TRIALS if int8_mm.int_mm_exact() and int8_mm.path() else 0
+    assert target.live_cost.observed - before == steps - trials
+    assert "timing" not in int8_mm.choices().values()

@@ -325,7 +325,9 @@ def _warm_up(target: HFTarget, ctx: MethodContext) -> None:
     """One short generate, then one verification forward of every row count the product
     forms are timed at and one small tree, so the first measured method does not pay
     one-off costs: a row count's first forward costs 1.5-2x its later ones (kernel set-up),
-    and which method first verifies 2, 5 or 33 rows would otherwise pay it for the rest."""
+    and which method first verifies 2, 5 or 33 rows would otherwise pay it for the rest;
+    so would its int8 kernel trials (:func:`~agentspec.targets.kernels.int8_mm.settle`)."""
+    from agentspec.targets.kernels import int8_mm
     from agentspec.targets.kernels.linear import ROW_POINTS
 
     ids = render_prompt(target.tokenizer, [{"role": "user", "content": "Hello"}])
@@ -338,6 +340,8 @@ def _warm_up(target: HFTarget, ctx: MethodContext) -> None:
         for rows in (1, *ROW_POINTS):
             target.score(ids[:1] * rows)  # [rows, V]
             target.rollback(rows)
+        # Each int8 row bucket's kernel trials, to their end.
+        int8_mm.settle(target, (1, 2, 4, 8, 16, 32), token=ids[0])
         target.score_tree(ids[:4], [-1, 0, 0, 1])  # [4, V]
         target.keep_tree_path([1])
         target.prefill(ids[:1])

@@ -157,13 +157,18 @@ class CostMeter:
         checking = (decoder if decoder is not None and decoder.usable and not decoder.checked
                     else None)
         # One int8 kernel for all the forward's products, timed for its choice (int8_mm).
-        with cpu.threads(threads), int8_mm.timed_forward():
+        with cpu.threads(threads), int8_mm.timed_forward() as kernel:
             t0 = time.perf_counter()
             yield
             if device == "cuda":
                 torch.cuda.synchronize()
-            # Still pending after the forward: the check did not run in it.
-            if checking is None or (checking.usable and not checking.checked):
+            # Still pending after the forward: the check did not run in it. An int8 kernel
+            # trial is not observed either: half of them run the slower kernel (~2.4x a
+            # one-row step's time), and a thread count whose first forwards were trials
+            # would look slow until its evidence aged out (measured: a draft model's
+            # one-row steps kept on one thread, 31 ms, where two took 25).
+            if not kernel.trial and (checking is None
+                                     or (checking.usable and not checking.checked)):
                 live.observe(rows, context, threads, time.perf_counter() - t0)
 
     @contextlib.contextmanager
