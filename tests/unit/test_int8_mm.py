@@ -190,13 +190,12 @@ class _TimedTarget:
     per token (w8a16's digits) against ``ws``."""
 
     def __init__(self, clock: _Counted, ws: list[torch.Tensor]) -> None:
-        self.clock, self.ws, self.forwards = clock, ws, 0
+        self.clock, self.ws = clock, ws
 
     def prefill(self, tokens: list[int]) -> None:
         pass
 
     def score(self, tokens: list[int]) -> None:
-        self.forwards += 1
         self.clock.forward(torch.ones(2 * len(tokens), 64, dtype=torch.int8), self.ws)
 
     def rollback(self, n: int) -> None:

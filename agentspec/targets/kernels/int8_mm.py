@@ -216,8 +216,8 @@ def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def settle(target: Target, rows: Sequence[int], token: int = 0) -> int:
     """Run ``target``'s forwards of each row count in ``rows`` (appended to a one-token
     context, then rolled back) until that count's kernel trials end, at most
-    ``2 · TRIALS + 1`` forwards per count; the forwards run. None where no trials run (no
-    native library, or an inexact ``torch._int_mm``). Outside any request: the target's
+    ``2 · TRIALS + 1`` forwards per count. Returns the forwards run: 0 where no trials run
+    (no native library, or an inexact ``torch._int_mm``). Outside any request: the target's
     cache holds one token afterwards (the next request starts with a prefill).
 
     Why: half of a bucket's trial forwards take the slower kernel (for a one-row step of
