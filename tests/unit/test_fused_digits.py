@@ -144,3 +144,41 @@ def test_a_models_logits_are_the_same_with_the_kernel_or_without(digits: int,
         assert fused_digits.quantize(torch.ones(1, 4), digits) is None  # switched off
         ops = model(ids).logits
     assert torch.equal(fused, ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_whole_layer_in_one_call_gives_the_three_calls_bits(dtype: torch.dtype,
+                                                               digits: int) -> None:
+    """``fused_digits.linear`` (digits, int8 product and recombination in one C call,
+    each output recombined by the thread that summed it) against the torch operators'
+    quantization, an int32 matmul and ``combine_ops``: every bit, with and without a bias,
+    at every row count it takes; above :data:`~.fused_digits.LINEAR_MAX_ROWS` digit rows it
+    declines."""
+    torch.manual_seed(11 + digits)
+    for k, n in ((896, 1152), (100, 257), (67, 13), (1, 5)):
+        layer = W8A8Linear(torch.randn(n, k), torch.randn(n), digits=digits)
+        for m in (1, 2, 3, 5, 8, 17, 33, fused_digits.LINEAR_MAX_ROWS // digits):
+            rows = _rows(m, k, 3.0, dtype)
+            q, u = quantize_ops(rows, digits)
+            acc = q.int() @ layer.qweight.int().t()  # [digits·m, n] exact
+            for bias in (None, layer.bias):
+                got = fused_digits.linear(rows, layer.qweight, layer.scales, bias, digits)
+                assert got is not None and got.dtype == dtype
+                assert torch.equal(got, layer.combine_ops(acc, u, dtype, bias)), (k, n, m)
+        too_many = torch.randn(fused_digits.LINEAR_MAX_ROWS // digits + 1, k)
+        assert fused_digits.linear(too_many, layer.qweight, layer.scales, None, digits) is None
+
+
+def test_a_decode_forward_runs_each_layer_as_one_call() -> None:
+    """A few-rows forward of a w8a16 layer takes the one-call kernel (the profile shows it,
+    not the three calls), and gives what the three calls give."""
+    layer = W8A8Linear(torch.randn(96, 64), torch.randn(96), digits=2)
+    rows = torch.randn(3, 64)
+    with torch.profiler.profile() as prof:
+        got = layer(rows)
+    names = {e.name for e in prof.events()}
+    assert "agentspec::int8_linear" in names and "agentspec::quantize_digits" not in names
+    q, u = quantize_ops(rows, 2)
+    assert torch.equal(got, layer.combine_ops(q.int() @ layer.qweight.int().t(), u,
+                                              torch.float32, layer.bias))

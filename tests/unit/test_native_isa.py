@@ -2,7 +2,8 @@
 
 The library is compiled at install for the installing CPU (``-march=native``): AVX-512 on
 one machine, AVX2 on the next, plain x86-64 where neither is there. Its floating-point
-kernels (decode attention, the activation digits and their recombination) promise one
+kernels (decode attention, the activation digits and their recombination, a whole int8
+layer in one call) promise one
 operation order on every CPU, so that a model's answers do not depend on which one ran
 them; the int8 product promises exact integer sums. Here the same sources are built for
 AVX2 (``-march=x86-64-v3``, where this CPU runs it) and for baseline x86-64 (SSE2), each
@@ -59,6 +60,12 @@ for dt in (torch.float32, torch.bfloat16):
                                 dtype=torch.int32)
             scales, bias = torch.rand(37, generator=gen), torch.randn(37, generator=gen)
             out[f"combine/{dt}/{m}/{digits}"] = fused_digits.combine(acc, scales, u, bias, dt)
+    for m, k, n in ((1, 896, 67), (3, 100, 9), (5, 577, 33)):
+        x = (torch.randn(m, k, generator=gen) * 4).to(dt)
+        qw = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scales, bias = torch.rand(n, generator=gen), torch.randn(n, generator=gen)
+        for digits in (1, 2):
+            out[f"linear/{dt}/{m}/{digits}"] = fused_digits.linear(x, qw, scales, bias, digits)
 for m in (1, 2, 3, 4, 5, 8, 9, 17):
     for k in (64, 100, 896):
         a = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)

@@ -11,7 +11,7 @@ import torch
 
 from agentspec.errors import ConfigError
 from agentspec.targets.hf import HFTarget, TargetConfig
-from agentspec.targets.kernels import w8a8
+from agentspec.targets.kernels import fused_digits, w8a8
 from agentspec.targets.kernels.int8 import quantize_linears
 from agentspec.targets.kernels.w8a8 import SharedInput, W8A8Linear, quantize_rows
 from agentspec.targets.probes.policy import stable_policy
@@ -143,7 +143,9 @@ def test_siblings_quantize_their_input_once_and_hold_nothing_after(
     real = w8a8.quantize_rows
     monkeypatch.setattr(w8a8, "quantize_rows",
                         lambda r, d=1: calls.append(r.shape) or real(r, d))
-    x = torch.randn(1, 3, 64)
+    # More rows than the one-call kernel takes (fewer never reach the shared quantization:
+    # each layer's call quantizes its own rows in C, test_fused_digits.py)
+    x = torch.randn(1, fused_digits.LINEAR_MAX_ROWS + 2, 64)
     ys = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
     assert len(calls) == 1  # one quantization for three products
     assert attn.q_proj.shared._x is None  # released once all three read it

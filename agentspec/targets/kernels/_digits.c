@@ -7,16 +7,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_native.h"
+
 static inline float from_bf16(uint16_t h) {
     uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f;
 }
 
-/* c10::BFloat16's round to nearest even; NaN becomes the canonical quiet NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t b; memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
 
 /* Row r of x as fp32 (bf16 widened into scratch). */
 static const float *row_f32(const void *x, int bf16, int64_t r, int64_t k, float *scratch) {
@@ -95,7 +91,7 @@ void agentspec_combine(const int32_t *acc, int64_t m, int64_t n, int digits, con
             y = y * s[j];
             y = y * ur;
             if (bias) y = y + bias[j];
-            if (bf16) oh[j] = to_bf16(y); else of[j] = y;
+            if (bf16) oh[j] = agentspec_to_bf16(y); else of[j] = y;
         }
     }
 }

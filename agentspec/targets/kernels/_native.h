@@ -2,11 +2,25 @@
 #ifndef AGENTSPEC_NATIVE_H
 #define AGENTSPEC_NATIVE_H
 #include <stdint.h>
+#include <string.h>
 
 /* A task range [begin, end) of a parallel call; ctx is the kernel's own arguments. */
 typedef void (*agentspec_task)(void *ctx, int64_t begin, int64_t end);
 
 /* Run fn over [0, n) split into `threads` contiguous parts (the caller runs the first). */
 void agentspec_parallel(agentspec_task fn, void *ctx, int64_t n, int threads);
+
+/* c10::BFloat16's round to nearest even; NaN becomes the canonical quiet NaN. */
+static inline uint16_t agentspec_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* Rows x [m, k] (fp32, or bf16 when bf16 != 0) as int8 digits q [digits*m, k] and units u [m]
+   (_digits.c; scratch: k floats when bf16). */
+void agentspec_quantize(const void *x, int bf16, int64_t m, int64_t k, int digits,
+                        int8_t *q, float *u, float *scratch);
 
 #endif

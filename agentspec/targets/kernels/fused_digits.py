@@ -26,7 +26,10 @@ import torch
 
 from agentspec.targets.kernels import native
 
-__all__ = ["available", "combine", "quantize"]
+__all__ = ["LINEAR_MAX_ROWS", "available", "combine", "linear", "quantize"]
+
+#: Activation digit rows (digits x rows) :func:`linear` takes in one call.
+LINEAR_MAX_ROWS = 128
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -78,3 +81,30 @@ def combine(acc: torch.Tensor, scales: torch.Tensor, u: torch.Tensor,
                 None if bias is None else bias.data_ptr(), out.data_ptr(),
                 int(dtype == torch.bfloat16))
     return out
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+           bias: torch.Tensor | None, digits: int) -> torch.Tensor | None:
+    """A whole int8 layer over CPU rows ``x`` ``[m, k]`` (fp32 or bf16) in one C call:
+    :func:`quantize`, the int8 product on the native kernel (``_int8_mm.c``) and
+    :func:`combine`, each output recombined by the thread that summed it; the same bits as
+    those three (the same operations in the same order). ``[m, n]`` in ``x``'s dtype, or
+    ``None`` where the kernel is not there, the tensors are not its kind or
+    ``digits · m`` exceeds :data:`LINEAR_MAX_ROWS` (the caller takes the three calls).
+
+    Why: a decode step runs ~100 layers, and three calls with five tensors allocated and
+    their checks cost ~20 µs a layer from Python, beside the arithmetic."""
+    lib = native.library()
+    m, k = x.shape
+    if (lib is None or x.dtype not in _DTYPES or x.device.type != "cpu" or m == 0
+            or digits * m > LINEAR_MAX_ROWS):
+        return None
+    x = x.contiguous()
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    status = native.call("agentspec::int8_linear", lib.agentspec_int8_linear, x.data_ptr(),
+                         bf16, m, k, digits, qweight.data_ptr(), n, scales.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
+                         torch.get_num_threads())
+    return out if status == 0 else None

@@ -47,7 +47,7 @@ from agentspec.interfaces import Target
 from agentspec.targets.kernels import native
 
 __all__ = ["MAX_NATIVE_ROWS", "TRIALS", "choices", "forced", "int8_mm", "int_mm_exact",
-           "native_mm", "path", "settle", "timed_forward"]
+           "native_mm", "path", "settle", "takes_native", "timed_forward"]
 
 #: Row counts above this always take ``torch._int_mm`` (the native kernel reads each
 #: weight once per call but computes one row at a time: a GEMM wins long before this).
@@ -195,6 +195,18 @@ def _takes_native(m: int, w: torch.Tensor) -> bool:
             record.trial = True
             record.native = trials is None or len(trials.native) <= len(trials.int_mm)
         return record.native
+
+
+def takes_native(m: int, w: torch.Tensor) -> bool:
+    """Whether :func:`int8_mm` would put a product of ``m`` int8 rows by ``w`` (contiguous,
+    on the CPU) on the native kernel, deciding it as :func:`int8_mm` does (the first
+    product of a timed forward fixes the forward's kernel): for a caller that runs the
+    native kernel through another entry point (:func:`.fused_digits.linear`)."""
+    if native.library() is None:
+        return False
+    if not int_mm_exact():
+        return True
+    return m <= MAX_NATIVE_ROWS and _takes_native(m, w)
 
 
 def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One C extension, ``agentspec.targets.kernels._native`` (``pyproject.toml``), holds the
 kernels written here: the activation digits of ``w8a8`` / ``w8a16`` (:mod:`.fused_digits`),
-the int8 products of few rows (:mod:`.int8_mm`), decode attention whose rows' bits do not
+the int8 products of few rows (:mod:`.int8_mm`), a whole int8 layer over few rows in one
+call (:func:`.fused_digits.linear`), decode attention whose rows' bits do not
 depend on the forward's shape (:mod:`.attention_kernel`) and the thread pool they share. It is
 compiled at install with the install's C compiler for the installing CPU
 (``-march=native``: the loops use the vector instructions this CPU has), with no fused
@@ -64,6 +65,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.agentspec_combine.restype = None
     lib.agentspec_int8_mm.argtypes = [p, p, p, i64, i64, i64, cint]
     lib.agentspec_int8_mm.restype = None
+    lib.agentspec_int8_linear.argtypes = [p, cint, i64, i64, cint, p, i64, p, p, p, cint, cint]
+    lib.agentspec_int8_linear.restype = cint
     lib.agentspec_int8_mm_path.argtypes = []
     lib.agentspec_int8_mm_path.restype = ctypes.c_char_p
     lib.agentspec_attention.argtypes = [p, ctypes.c_float, cint]

@@ -49,7 +49,7 @@ from agentspec.errors import ConfigError
 from agentspec.targets.base.cpu import bf16_native
 from agentspec.targets.base.step_mode import STABLE_STEP
 from agentspec.targets.kernels import fused_digits
-from agentspec.targets.kernels.int8_mm import int8_mm
+from agentspec.targets.kernels.int8_mm import int8_mm, takes_native
 
 __all__ = ["LOW", "PREFILL_ROWS", "W8A16_PREFILL_ROWS", "SharedInput", "W8A8Linear",
            "dequantized", "prefill_switch", "quantize_ops", "quantize_rows", "quantize_weight",
@@ -287,6 +287,14 @@ class W8A8Linear(torch.nn.Module):
                 w = dequantized(self.qweight, self.scales, torch.float32)  # [out, in]
                 y = torch.nn.functional.linear(x.float(), w, self.bias)
             return y.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)  # [m, in]
+        digits = self.shared.digits
+        if (digits * rows.shape[0] <= fused_digits.LINEAR_MAX_ROWS
+                and takes_native(digits * rows.shape[0], self.qweight)):
+            # One C call for the whole layer (the same bits as the calls below).
+            one = fused_digits.linear(rows, self.qweight, self.scales, self.bias, digits)
+            if one is not None:
+                return one.reshape(*x.shape[:-1], self.out_features)
         q, a = self.shared.quantize(x, self.in_features)
         y = self._finish(q, a, x.dtype, self.bias)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
