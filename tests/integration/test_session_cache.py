@@ -4,12 +4,10 @@ and robust to a corrupt store file."""
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +60,7 @@ def test_suffix_and_arctic_are_lossless_over_a_session(embedded_target: HFTarget
 
 
 CHILD = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     from agentspec.runtime import Runtime
     from agentspec.spec import AgentSpec
     from agentspec.types import DraftContext, SessionRef
@@ -74,6 +72,12 @@ CHILD = textwrap.dedent("""
     last = None
     turn = 0
     while (req := sess.next_request(last)) is not None:
+        if turn == 3:  # the fourth turn stops after its first delta, where the parent kills
+            stream = rt.stream_chat(req.messages, req.tools, session=ref,
+                                    max_tokens=req.max_tokens)
+            next(stream)
+            print(json.dumps({"mid_turn": turn}), flush=True)
+            time.sleep(600)
         r = rt.chat(req.messages, req.tools, session=ref, max_tokens=req.max_tokens)
         last = r.text
         d = rt.drafter_for(AgentSpec()).propose(DraftContext(probe, len(probe), ref), 16)
@@ -93,7 +97,9 @@ def test_sigkill_mid_turn_keeps_committed_turns_and_drafts(tmp_path: Path) -> No
         line = proc.stdout.readline()
         assert line, "child died before committing three turns"
         lines.append(json.loads(line))
-    time.sleep(random.Random(0).uniform(0.2, 0.6))  # well inside the fourth turn
+    # Killed inside the fourth turn: after its first delta, before it can be stored (the
+    # child waits there; a kill after a timed sleep let a fast step finish the turn).
+    assert json.loads(proc.stdout.readline()) == {"mid_turn": 3}
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
 

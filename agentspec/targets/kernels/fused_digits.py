@@ -85,23 +85,25 @@ def combine(acc: torch.Tensor, scales: torch.Tensor, u: torch.Tensor,
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None, digits: int) -> torch.Tensor | None:
-    """A whole int8 layer over CPU rows ``x`` ``[m, k]`` (fp32 or bf16) in one C call:
+    """A whole int8 layer over CPU rows ``x`` ``[..., k]`` (fp32 or bf16) in one C call:
     :func:`quantize`, the int8 product on the native kernel (``_int8_mm.c``) and
     :func:`combine`, each output recombined by the thread that summed it; the same bits as
-    those three (the same operations in the same order). ``[m, n]`` in ``x``'s dtype, or
-    ``None`` where the kernel is not there, the tensors are not its kind or
-    ``digits · m`` exceeds :data:`LINEAR_MAX_ROWS` (the caller takes the three calls).
+    those three (the same operations in the same order). ``[..., n]`` in ``x``'s dtype
+    (``n`` = ``qweight``'s rows), or ``None`` where the kernel is not there, the tensors are
+    not its kind or ``digits`` times the rows exceeds :data:`LINEAR_MAX_ROWS` (the caller
+    takes the three calls).
 
     Why: a decode step runs ~100 layers, and three calls with five tensors allocated and
     their checks cost ~20 µs a layer from Python, beside the arithmetic."""
     lib = native.library()
-    m, k = x.shape
-    if (lib is None or x.dtype not in _DTYPES or x.device.type != "cpu" or m == 0
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if (lib is None or x.dtype not in _DTYPES or not x.is_cpu or m == 0
             or digits * m > LINEAR_MAX_ROWS):
         return None
     x = x.contiguous()
     n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)  # [..., n]
     bf16 = int(x.dtype == torch.bfloat16)
     status = native.call("agentspec::int8_linear", lib.agentspec_int8_linear, x.data_ptr(),
                          bf16, m, k, digits, qweight.data_ptr(), n, scales.data_ptr(),
