@@ -123,10 +123,6 @@ class DirectDecoder:
         self.qkv = [fused(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
                     for layer in self.layers]
         self.gate_up = [fused(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
-        # Each layer's modules, looked up once: a module's attribute lookup costs ~0.5 us,
-        # and a step made ~10 per layer.
-        self.parts = [(layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn,
-                       layer.mlp) for layer in self.layers]
         self.checked = False
         self.failed: str | None = None
         self.steps = 0
@@ -183,8 +179,9 @@ class DirectDecoder:
         cos, sin = self.rotary(x, pos)  # [1, rows, d] each, x's dtype
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, rows, d]
         qk_heads = self.heads + self.kv_heads
-        for i, (in_norm, post_norm, attn, mlp) in enumerate(self.parts):
-            h = _rms_norm(in_norm, x)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = _rms_norm(layer.input_layernorm, x)
             qkv = self.qkv[i]
             if qkv is not None:  # [1, heads + 2 kv, rows, d]
                 y = qkv(h).view(1, rows, -1, d).transpose(1, 2)
@@ -199,7 +196,8 @@ class DirectDecoder:
             keys, values = cache.update(qk[:, self.heads :], v, i)  # [1, kv, attend, d]
             o = stable_attention(qk[:, : self.heads], keys, values, mask, attn.scaling)
             x = x + attn.o_proj(o.reshape(1, rows, -1))  # o: [1, rows, heads, d]
-            h = _rms_norm(post_norm, x)
+            mlp = layer.mlp
+            h = _rms_norm(layer.post_attention_layernorm, x)
             gate_up = self.gate_up[i]
             if gate_up is not None:  # [1, rows, 2 · inner]
                 gate, up = gate_up(h).chunk(2, dim=-1)

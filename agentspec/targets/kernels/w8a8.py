@@ -41,7 +41,7 @@ native library is not loaded).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -271,20 +271,7 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ Wᵀ + b`` for ``x`` ``[..., in]``: ``[..., out]`` in ``x``'s dtype."""
-        digits = self.shared.digits
-        m = digits * (x.numel() // max(self.in_features, 1))  # activation digit rows
-        if m <= fused_digits.LINEAR_MAX_ROWS:
-            # Few rows (a decode step, a short verify): one C call for the whole layer, the
-            # same bits as the calls below. The buffers are read from their dict (a
-            # module's attribute lookup costs ~0.5 us, and a step makes ~400 of them).
-            buffers = self._buffers
-            qweight, scales = cast(torch.Tensor, buffers["qweight"]), buffers["scales"]
-            if takes_native(m, qweight):
-                one = fused_digits.linear(x, qweight, cast(torch.Tensor, scales),
-                                          buffers["bias"], digits)
-                if one is not None:
-                    return one
-        if (digits == 2 and x.numel() >= W8A16_PREFILL_ROWS * self.in_features
+        if (self.shared.digits == 2 and x.numel() >= W8A16_PREFILL_ROWS * self.in_features
                 and not STABLE_STEP.get()):
             # A long prefill chunk under w8a16: a float GEMM over the dequantized weights,
             # as int8 does. Two digits make the integer product one of twice the rows,
@@ -300,6 +287,14 @@ class W8A8Linear(torch.nn.Module):
                 w = dequantized(self.qweight, self.scales, torch.float32)  # [out, in]
                 y = torch.nn.functional.linear(x.float(), w, self.bias)
             return y.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)  # [m, in]
+        digits = self.shared.digits
+        if (digits * rows.shape[0] <= fused_digits.LINEAR_MAX_ROWS
+                and takes_native(digits * rows.shape[0], self.qweight)):
+            # One C call for the whole layer (the same bits as the calls below).
+            one = fused_digits.linear(rows, self.qweight, self.scales, self.bias, digits)
+            if one is not None:
+                return one.reshape(*x.shape[:-1], self.out_features)
         q, a = self.shared.quantize(x, self.in_features)
         y = self._finish(q, a, x.dtype, self.bias)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
