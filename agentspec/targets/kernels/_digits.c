@@ -82,15 +82,10 @@ void agentspec_combine(const int32_t *acc, int64_t m, int64_t n, int digits, con
         float ur = u[r];
         float *of = (float *)out + r * n;
         uint16_t *oh = (uint16_t *)out + r * n;
+        int two = digits == 2;
         for (int64_t j = 0; j < n; j++) {
-            float y = (float)hi[j];
-            if (digits == 2) {
-                y = y * 254.0f;
-                y = y + (float)lo[j];
-            }
-            y = y * s[j];
-            y = y * ur;
-            if (bias) y = y + bias[j];
+            float y = agentspec_recombine(hi[j], two ? lo[j] : 0, two, s[j], ur,
+                                          bias ? bias + j : NULL);
             if (bf16) oh[j] = agentspec_to_bf16(y); else of[j] = y;
         }
     }

@@ -198,15 +198,10 @@ static void linear_task(void *ctx, int64_t begin, int64_t end) {
             int g = p->m - r0 < GROUP ? (int)(p->m - r0) : GROUP;
             row_sums((const void *)((const int8_t *)p->a + r0 * p->k), p->k, g, wr, sums + r0);
         }
+        int two = p->m > p->rows; /* two digits: the low digit's rows follow the high's */
         for (int64_t r = 0; r < p->rows; r++) {
-            float y = (float)sums[r];
-            if (p->m > p->rows) { /* two digits: the low digit's rows follow the high's */
-                y = y * 254.0f;
-                y = y + (float)sums[p->rows + r];
-            }
-            y = y * p->s[j];
-            y = y * p->u[r];
-            if (p->bias) y = y + p->bias[j];
+            float y = agentspec_recombine(sums[r], two ? sums[p->rows + r] : 0, two, p->s[j],
+                                          p->u[r], p->bias ? p->bias + j : NULL);
             if (p->bf16)
                 ((uint16_t *)p->out)[r * p->n + j] = agentspec_to_bf16(y);
             else

@@ -18,6 +18,23 @@ static inline uint16_t agentspec_to_bf16(float f) {
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+/* One output of a w8a8 / w8a16 layer from its exact int32 sums (the low digit's only with
+   two digits): ((254 * high + low) * s) * u + bias, each operation rounded on its own (built
+   without fused multiply-add): the one definition agentspec_combine and the one-call layer
+   both use, so their bits are the same. */
+static inline float agentspec_recombine(int32_t high, int32_t low, int two, float s, float u,
+                                        const float *bias) {
+    float y = (float)high;
+    if (two) {
+        y = y * 254.0f;
+        y = y + (float)low;
+    }
+    y = y * s;
+    y = y * u;
+    if (bias) y = y + *bias;
+    return y;
+}
+
 /* Rows x [m, k] (fp32, or bf16 when bf16 != 0) as int8 digits q [digits*m, k] and units u [m]
    (_digits.c; scratch: k floats when bf16). */
 void agentspec_quantize(const void *x, int bf16, int64_t m, int64_t k, int digits,

@@ -212,17 +212,13 @@ def takes_native(m: int, w: torch.Tensor) -> bool:
 def int8_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ wᵀ`` in int32 (``a`` ``[m, k]``, ``w`` ``[n, k]``, int8, values in
     [-127, 127]) on the kernel measured fastest for forwards of ``m``'s bucket."""
-    m = a.shape[0]
-    if not a.is_contiguous() or not w.is_contiguous() or a.device.type != "cpu" \
-            or native.library() is None:
+    if not a.is_contiguous() or not w.is_contiguous() or a.device.type != "cpu":
         return _exact_mm(a, w)
-    if not int_mm_exact():  # the native kernel for every row count
+    if takes_native(a.shape[0], w):
         out = native_mm(a, w)
-        return out if out is not None else _exact_mm(a, w)
-    if m > MAX_NATIVE_ROWS or not _takes_native(m, w):
-        return torch._int_mm(a, w.t())
-    out = native_mm(a, w)
-    return out if out is not None else torch._int_mm(a, w.t())
+        if out is not None:
+            return out
+    return _exact_mm(a, w)  # torch._int_mm where it is exact
 
 
 def settle(target: Target, rows: Sequence[int], token: int = 0) -> int:
